@@ -1,0 +1,1 @@
+"""transport/congestion layer of udpverbs."""

@@ -1,0 +1,1 @@
+"""verbs layer of udpverbs."""

@@ -1,0 +1,1 @@
+"""wire layer of udpverbs."""
