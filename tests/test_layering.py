@@ -1,0 +1,60 @@
+"""Keep the dependency direction true: wire <- transport <- daemon; wire <- verbs <- bench.
+
+Walks every module's imports with ``ast`` (nothing is executed), so a layer
+reaching up, or I/O creeping into the sans-IO layers, fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# layer -> the udpverbs layers it may import
+ALLOWED = {
+    "wire": {"wire"},
+    "transport": {"wire", "transport"},
+    "daemon": {"wire", "transport", "daemon"},
+    "verbs": {"wire", "verbs"},
+    "bench": {"wire", "transport", "verbs", "bench", "daemon"},
+}
+# Sans-IO: no event loop, sockets or clocks below the daemon.
+FORBIDDEN_STDLIB = {
+    "wire": {"trio", "socket", "asyncio", "time", "select", "selectors"},
+    "transport": {"trio", "socket", "asyncio", "time", "select", "selectors"},
+}
+
+
+def _imports(path: Path, layer: str) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg_parts = ["udpverbs", layer, *path.relative_to(ROOT / layer).parts[:-1]]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[: len(pkg_parts) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((name, node.lineno))
+    return found
+
+
+def _modules():
+    for layer in ALLOWED:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            yield pytest.param(layer, path, id=str(path.relative_to(ROOT)))
+
+
+@pytest.mark.parametrize("layer,path", list(_modules()))
+def test_layer_imports_only_downward(layer: str, path: Path) -> None:
+    for name, line in _imports(path, layer):
+        parts = name.split(".")
+        if parts[0] == "udpverbs" and len(parts) > 1:
+            assert parts[1] in ALLOWED[layer], f"{path}:{line} imports {name}"
+        assert parts[0] not in FORBIDDEN_STDLIB.get(layer, ()), f"{path}:{line} imports {name} (sans-IO layer)"
