@@ -1,0 +1,115 @@
+"""The 8-byte envelope in front of every upper-layer message on a link.
+
+Theory of operation
+-------------------
+iWARP binds one QP to one TCP/MPA stream, so DDP never names a QP.  We
+multiplex every QP between two daemons over one reliable link (so they share
+one congestion controller, as the EFE does per path), which means each link
+message must say which QP it is for.  The envelope does that::
+
+     0                   1                   2                   3
+     0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
+    +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
+    |     kind      |              destination QPN                  |
+    +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
+    |  reserved (0) |                source QPN                     |
+    +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
+
+``kind`` says which decoder reads the rest (DDP/RDMAP segment, connection
+management, QP flow control, lock, barrier).  The source QPN lets the
+receiver drop a message that does not come from the QP's connected peer
+(stale after QPN reuse, or misrouted).  QPN 0 is the connection manager.
+
+``ENVELOPE`` (construct) is the reference declaration; ``encode``,
+``pack_into`` and ``decode_untrusted`` are the per-message fast path.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+import construct as c
+
+from .errors import WireError
+
+ENVELOPE_LEN = 8
+MAX_QPN = (1 << 24) - 1
+#: QPN of the connection manager (RFC 5044's MPA exchange has no QP yet).
+CM_QPN = 0
+
+
+class Kind(enum.IntEnum):
+    DDP = 1  #: a DDP segment carrying RDMAP (RFC 5041 + RFC 5040 / RFC 7306)
+    CM = 2  #: connection management (wire/cm.py)
+    FLOW = 3  #: QP-level Modified ACK/NACK (wire/flow.py)
+    LOCK = 4  #: RHiNET queue lock (wire/lock.py)
+    BARRIER = 5  #: tree barrier (wire/barrier.py)
+
+
+_KIND_MAX = max(Kind)
+
+# --- reference declaration ---------------------------------------------------
+
+ENVELOPE = c.Struct(
+    "kind" / c.Int8ub,
+    "dst_qpn" / c.Int24ub,
+    "reserved" / c.Const(0, c.Int8ub),
+    "src_qpn" / c.Int24ub,
+)
+
+# --- fast path ---------------------------------------------------------------
+
+_ENV = struct.Struct("!II")
+
+
+class Envelope(NamedTuple):
+    """A decoded envelope (a NamedTuple: built once per datagram)."""
+
+    kind: int
+    dst_qpn: int
+    src_qpn: int
+
+
+def pack_into(buf: bytearray | memoryview, offset: int, kind: int, dst_qpn: int, src_qpn: int) -> int:
+    """Write an envelope into ``buf`` at ``offset``; return ``ENVELOPE_LEN``.
+
+    Raises:
+        ValueError: a field is out of range (a caller bug, not network input).
+    """
+    if not 0 < kind <= 0xFF or not 0 <= dst_qpn <= MAX_QPN or not 0 <= src_qpn <= MAX_QPN:
+        raise ValueError(f"envelope out of range: kind={kind} dst={dst_qpn} src={src_qpn}")
+    _ENV.pack_into(buf, offset, (kind << 24) | dst_qpn, src_qpn)
+    return ENVELOPE_LEN
+
+
+def encode(kind: int, dst_qpn: int, src_qpn: int, body: bytes | bytearray | memoryview = b"") -> bytes:
+    """Return envelope + ``body`` as one bytes object.
+
+    Raises:
+        ValueError: a field is out of range.
+    """
+    buf = bytearray(ENVELOPE_LEN + len(body))
+    pack_into(buf, 0, kind, dst_qpn, src_qpn)
+    buf[ENVELOPE_LEN:] = body
+    return bytes(buf)
+
+
+def decode_untrusted(data: bytes | bytearray | memoryview) -> tuple[Envelope, memoryview]:
+    """Parse the envelope of a link message from the network.
+
+    Returns the envelope and a view of the message after it.
+
+    Raises:
+        WireError: ``truncated``, ``bad_kind`` or ``bad_reserved``; nothing else.
+    """
+    if len(data) < ENVELOPE_LEN:
+        raise WireError("truncated", f"{len(data)} bytes, envelope needs {ENVELOPE_LEN}")
+    w0, w1 = _ENV.unpack_from(data)
+    kind = w0 >> 24
+    if not 1 <= kind <= _KIND_MAX:
+        raise WireError("bad_kind", str(kind))
+    if w1 >> 24:
+        raise WireError("bad_reserved", "envelope")
+    return Envelope(kind, w0 & MAX_QPN, w1 & MAX_QPN), memoryview(data)[ENVELOPE_LEN:]

@@ -1,0 +1,725 @@
+"""RDMAP over DDP: RFC 5040 (+ RFC 7306 atomics and immediate data), bit-exact.
+
+Theory of operation
+-------------------
+RDMAP has no header of its own on most messages: it takes the first octet
+DDP reserves for the ULP (RsvdULP[0:7]) as the *RDMAP Control Field*
+(RFC 5040 §4.1)::
+
+     0 1 2 3 4 5 6 7
+    +-+-+-+-+-+-+-+-+
+    |RV |Rsv| OpCode|    RV: RDMAP version = 01b, Rsv: 0
+    +-+-+-+-+-+-+-+-+
+
+and, on untagged messages, RsvdULP[8:39] for the Invalidate STag of Send with
+Invalidate (RFC 5040 §4.1).  The opcode fixes the buffer model and, for
+untagged messages, the DDP queue number (RFC 5040 §4.2 table; RFC 7306 §8.1):
+
+=====  ==========================  ======  ==
+code   message                     tagged  QN
+=====  ==========================  ======  ==
+0000b  RDMA Write                  yes     --
+0001b  RDMA Read Request           no      1
+0010b  RDMA Read Response          yes     --
+0011b  Send                        no      0
+0100b  Send with Invalidate        no      0
+0101b  Send with SE                no      0
+0110b  Send with SE and Invalidate no      0
+0111b  Terminate                   no      2
+1000b  Immediate Data              no      0
+1001b  Immediate Data with SE      no      0
+1010b  Atomic Request              no      3
+1011b  Atomic Response             no      4
+=====  ==========================  ======  ==
+
+Read Request, Terminate, Atomic Request/Response and Immediate Data carry an
+RDMAP header as the DDP payload of a single-segment message; their layouts
+are ``READ_REQUEST`` (RFC 5040 §4.4), ``TERMINATE`` (§4.8),
+``ATOMIC_REQUEST`` / ``ATOMIC_RESPONSE`` (RFC 7306 §5) and ``IMMEDIATE_DATA``
+(RFC 7306 §4).
+
+The receive path calls ``decode_untrusted(buf, offset)`` once per segment.
+It checks every bit of both control fields, the opcode/buffer-model/queue
+consistency and, for single-segment messages, L, MO and the length, with one
+``struct`` unpack and one table lookup, and returns a NamedTuple header and a
+view of the payload.  The ``construct`` declarations below are the reference;
+``decode_reference`` parses with them alone, and the tests prove both agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+import construct as c
+
+from . import ddp
+from .errors import WireError
+
+RDMAP_VERSION = 1  #: RFC 5040 §4.1: RV = 01b
+
+
+class Opcode(enum.IntEnum):
+    """RDMA Message OpCode (RFC 5040 §4.2, RFC 7306 §8.1)."""
+
+    RDMA_WRITE = 0b0000
+    RDMA_READ_REQUEST = 0b0001
+    RDMA_READ_RESPONSE = 0b0010
+    SEND = 0b0011
+    SEND_INVALIDATE = 0b0100
+    SEND_SE = 0b0101
+    SEND_SE_INVALIDATE = 0b0110
+    TERMINATE = 0b0111
+    IMMEDIATE_DATA = 0b1000
+    IMMEDIATE_DATA_SE = 0b1001
+    ATOMIC_REQUEST = 0b1010
+    ATOMIC_RESPONSE = 0b1011
+
+
+class QueueNumber(enum.IntEnum):
+    """DDP untagged queue used by each RDMAP message (RFC 5040 §5.1, RFC 7306)."""
+
+    SEND = 0  #: Send variants and Immediate Data: consume a posted receive
+    READ_REQUEST = 1
+    TERMINATE = 2
+    ATOMIC_REQUEST = 3
+    ATOMIC_RESPONSE = 4
+
+
+class AtomicOp(enum.IntEnum):
+    """Atomic Operation Code of an Atomic Request (RFC 7306 §5.2)."""
+
+    FETCH_ADD = 0b0000
+    SWAP = 0b0001
+    CMP_SWAP = 0b0010
+
+
+class TermLayer(enum.IntEnum):
+    """Terminate Control: the layer that detected the error (RFC 5040 §4.8)."""
+
+    RDMAP = 0
+    DDP = 1
+    LLP = 2
+
+
+class RdmapErrorType(enum.IntEnum):
+    """EType when the layer is RDMAP (RFC 5040 §4.8)."""
+
+    LOCAL_CATASTROPHIC = 0
+    REMOTE_PROTECTION = 1
+    REMOTE_OPERATION = 2
+
+
+class RdmapErrorCode(enum.IntEnum):
+    """Error Code when the layer is RDMAP (RFC 5040 §4.8)."""
+
+    INVALID_STAG = 0x00
+    BASE_OR_BOUNDS_VIOLATION = 0x01
+    ACCESS_RIGHTS_VIOLATION = 0x02
+    STAG_NOT_ASSOCIATED_WITH_STREAM = 0x03
+    TO_WRAP = 0x04
+    INVALID_RDMAP_VERSION = 0x05
+    UNEXPECTED_OPCODE = 0x06
+    CATASTROPHIC_LOCALIZED = 0x07
+    CATASTROPHIC_GLOBAL = 0x08
+    STAG_CANNOT_BE_INVALIDATED = 0x09
+    UNSPECIFIED = 0xFF
+
+
+class DdpErrorType(enum.IntEnum):
+    """EType when the layer is DDP (RFC 5041 §7.2)."""
+
+    LOCAL_CATASTROPHIC = 0
+    TAGGED_BUFFER = 1
+    UNTAGGED_BUFFER = 2
+    RESERVED_FOR_LLP = 3
+
+
+class DdpTaggedErrorCode(enum.IntEnum):
+    """Error Code for a DDP tagged buffer error (RFC 5041 §7.2)."""
+
+    INVALID_STAG = 0x00
+    BASE_OR_BOUNDS_VIOLATION = 0x01
+    STAG_NOT_ASSOCIATED_WITH_STREAM = 0x02
+    TO_WRAP = 0x03
+    INVALID_DDP_VERSION = 0x04
+
+
+class DdpUntaggedErrorCode(enum.IntEnum):
+    """Error Code for a DDP untagged buffer error (RFC 5041 §7.2)."""
+
+    INVALID_QN = 0x01
+    INVALID_MSN_NO_BUFFER = 0x02
+    INVALID_MSN_RANGE = 0x03
+    INVALID_MO = 0x04
+    MESSAGE_TOO_LONG = 0x05
+    INVALID_DDP_VERSION = 0x06
+
+
+class LlpErrorCode(enum.IntEnum):
+    """Error Code when the layer is the LLP (our link, after RFC 5044 §8)."""
+
+    STREAM_LOST = 0x01
+    CRC_ERROR = 0x02
+    FRAMING_ERROR = 0x03
+    INVALID_REQUEST = 0x04
+
+
+TAGGED_OPCODES = frozenset({Opcode.RDMA_WRITE, Opcode.RDMA_READ_RESPONSE})
+INVALIDATE_OPCODES = frozenset({Opcode.SEND_INVALIDATE, Opcode.SEND_SE_INVALIDATE})
+#: Queue number of every untagged opcode (RFC 5040 §5.1; RFC 7306 §8.1).
+OPCODE_QN: dict[int, int] = {
+    Opcode.RDMA_READ_REQUEST: QueueNumber.READ_REQUEST,
+    Opcode.SEND: QueueNumber.SEND,
+    Opcode.SEND_INVALIDATE: QueueNumber.SEND,
+    Opcode.SEND_SE: QueueNumber.SEND,
+    Opcode.SEND_SE_INVALIDATE: QueueNumber.SEND,
+    Opcode.TERMINATE: QueueNumber.TERMINATE,
+    Opcode.IMMEDIATE_DATA: QueueNumber.SEND,
+    Opcode.IMMEDIATE_DATA_SE: QueueNumber.SEND,
+    Opcode.ATOMIC_REQUEST: QueueNumber.ATOMIC_REQUEST,
+    Opcode.ATOMIC_RESPONSE: QueueNumber.ATOMIC_RESPONSE,
+}
+
+# --- RDMAP headers carried as DDP payload: layouts ---------------------------
+
+READ_REQUEST_LEN = 28  # RFC 5040 §4.4
+ATOMIC_REQUEST_LEN = 52  # RFC 7306 §5.2
+ATOMIC_RESPONSE_LEN = 12  # RFC 7306 §5.3
+IMMEDIATE_DATA_LEN = 8  # RFC 7306 §4
+TERMINATE_MIN_LEN = 4  # RFC 5040 §4.8: the Terminate Control word alone
+TERMINATE_MAX_LEN = 4 + 2 + ddp.UNTAGGED_HEADER_LEN + READ_REQUEST_LEN
+
+#: Messages that always fit in one segment, with their exact payload length
+#: (``None``: Terminate, whose length its own header determines).
+SINGLE_SEGMENT: dict[int, int | None] = {
+    Opcode.RDMA_READ_REQUEST: READ_REQUEST_LEN,
+    Opcode.TERMINATE: None,
+    Opcode.IMMEDIATE_DATA: IMMEDIATE_DATA_LEN,
+    Opcode.IMMEDIATE_DATA_SE: IMMEDIATE_DATA_LEN,
+    Opcode.ATOMIC_REQUEST: ATOMIC_REQUEST_LEN,
+    Opcode.ATOMIC_RESPONSE: ATOMIC_RESPONSE_LEN,
+}
+
+# --- reference declarations --------------------------------------------------
+
+RDMAP_CONTROL = c.BitStruct(
+    "rv" / c.Const(RDMAP_VERSION, c.BitsInteger(2)),
+    "rsv" / c.Const(0, c.BitsInteger(2)),
+    "opcode" / c.BitsInteger(4),
+)
+
+
+def _ref_length_ok(ctx: c.Container) -> bool:
+    op = ctx.rdmap.opcode
+    if op not in SINGLE_SEGMENT:
+        return True
+    if not ctx.ddp.L or ctx.untagged.mo != 0:
+        return False
+    n = len(ctx.payload)
+    want = SINGLE_SEGMENT[op]
+    return TERMINATE_MIN_LEN <= n <= TERMINATE_MAX_LEN if want is None else n == want
+
+
+#: A whole DDP segment carrying RDMAP: RFC 5041 §6 with RFC 5040 §4.1-4.2 rules.
+RDMAP_SEGMENT = c.Struct(
+    "ddp" / ddp.DDP_CONTROL,
+    "rdmap" / RDMAP_CONTROL,
+    c.Check(lambda ctx: ctx.rdmap.opcode in OPCODE_QN or ctx.rdmap.opcode in TAGGED_OPCODES),
+    c.Check(lambda ctx: bool(ctx.ddp.T) == (ctx.rdmap.opcode in TAGGED_OPCODES)),
+    "tagged" / c.If(c.this.ddp.T, c.Struct("stag" / c.Int32ub, "to" / c.Int64ub)),
+    "untagged" / c.If(
+        lambda ctx: not ctx.ddp.T,
+        c.Struct(
+            "inv_stag" / c.Int32ub,
+            c.Check(lambda ctx: ctx.inv_stag == 0 or ctx._.rdmap.opcode in INVALIDATE_OPCODES),
+            "qn" / c.Int32ub,
+            c.Check(lambda ctx: ctx.qn == OPCODE_QN[ctx._.rdmap.opcode]),
+            "msn" / c.Int32ub,
+            "mo" / c.Int32ub,
+        ),
+    ),
+    "payload" / c.GreedyBytes,
+    c.Check(_ref_length_ok),
+)
+
+READ_REQUEST = c.Struct(  # RFC 5040 §4.4
+    "sink_stag" / c.Int32ub,
+    "sink_to" / c.Int64ub,
+    "size" / c.Int32ub,
+    "src_stag" / c.Int32ub,
+    "src_to" / c.Int64ub,
+)
+
+TERMINATE = c.Struct(  # RFC 5040 §4.8
+    "control" / c.BitStruct(
+        "layer" / c.BitsInteger(4),
+        "etype" / c.BitsInteger(4),
+        "ecode" / c.BitsInteger(8),
+        "M" / c.Flag,
+        "D" / c.Flag,
+        "R" / c.Flag,
+        "reserved" / c.Const(0, c.BitsInteger(13)),
+    ),
+    c.Check(lambda ctx: ctx.control.layer in _TERM_ETYPES and ctx.control.etype in _TERM_ETYPES[ctx.control.layer]),
+    "ddp_segment_length" / c.If(c.this.control.D, c.Int16ub),
+    # The copied DDP header's own T bit says whether it is 14 or 18 bytes.
+    "ddp_first_byte" / c.If(c.this.control.D, c.Peek(c.Int8ub)),
+    "ddp_header" / c.If(
+        c.this.control.D,
+        c.Bytes(lambda ctx: ddp.TAGGED_HEADER_LEN if ctx.ddp_first_byte & ddp.T_FLAG else ddp.UNTAGGED_HEADER_LEN),
+    ),
+    "rdmap_header" / c.If(c.this.control.R, c.Bytes(READ_REQUEST_LEN)),
+    c.Terminated,
+)
+
+ATOMIC_REQUEST = c.Struct(  # RFC 7306 §5.2
+    "word0" / c.BitStruct("reserved" / c.Const(0, c.BitsInteger(28)), "aop" / c.BitsInteger(4)),
+    c.Check(lambda ctx: ctx.word0.aop in _ATOMIC_OPS),
+    "req_id" / c.Int32ub,
+    "stag" / c.Int32ub,
+    "to" / c.Int64ub,
+    "add_swap_data" / c.Int64ub,
+    "add_swap_mask" / c.Int64ub,
+    "compare_data" / c.Int64ub,
+    "compare_mask" / c.Int64ub,
+)
+
+ATOMIC_RESPONSE = c.Struct(  # RFC 7306 §5.3
+    "req_id" / c.Int32ub,
+    "orig_value" / c.Int64ub,
+)
+
+IMMEDIATE_DATA = c.Struct("data" / c.Int64ub)  # RFC 7306 §4
+
+_TERM_ETYPES: dict[int, frozenset[int]] = {
+    TermLayer.RDMAP: frozenset(RdmapErrorType),
+    TermLayer.DDP: frozenset(DdpErrorType),
+    TermLayer.LLP: frozenset({0}),  # RFC 5044 §8: LLP EType 0 is the MPA/LLP error
+}
+_ATOMIC_OPS = frozenset(AtomicOp)
+
+# --- decoded values ----------------------------------------------------------
+
+
+class TaggedHeader(NamedTuple):
+    """DDP tagged segment header with its RDMAP opcode (Write, Read Response)."""
+
+    opcode: int
+    last: bool
+    stag: int
+    to: int
+
+
+class UntaggedHeader(NamedTuple):
+    """DDP untagged segment header with its RDMAP opcode.
+
+    ``inv_stag`` is RsvdULP[8:39]: the STag to invalidate for Send with
+    Invalidate (RFC 5040 §4.1), 0 for every other opcode.
+    """
+
+    opcode: int
+    last: bool
+    inv_stag: int
+    qn: int
+    msn: int
+    mo: int
+
+
+SegmentHeader = TaggedHeader | UntaggedHeader
+
+
+class ReadRequest(NamedTuple):
+    """RDMA Read Request header (RFC 5040 §4.4)."""
+
+    sink_stag: int
+    sink_to: int
+    size: int
+    src_stag: int
+    src_to: int
+
+
+class Terminate(NamedTuple):
+    """Terminate header (RFC 5040 §4.8).
+
+    ``ddp_header`` (D bit) is the DDP header of the offending segment, 14 or
+    18 bytes, or empty; ``rdmap_header`` (R bit) is the 28-byte RDMAP header
+    (a Read Request) of the offending message, or empty.  ``m`` says the
+    DDP segment length is valid.
+    """
+
+    layer: int
+    etype: int
+    ecode: int
+    m: bool = False
+    ddp_segment_length: int = 0
+    ddp_header: bytes = b""
+    rdmap_header: bytes = b""
+
+
+class AtomicRequest(NamedTuple):
+    """Atomic Request header (RFC 7306 §5.2)."""
+
+    aop: int
+    req_id: int
+    stag: int
+    to: int
+    add_swap_data: int
+    add_swap_mask: int
+    compare_data: int
+    compare_mask: int
+
+
+class AtomicResponse(NamedTuple):
+    """Atomic Response header (RFC 7306 §5.3)."""
+
+    req_id: int
+    orig_value: int
+
+
+# --- fast path: per-segment headers ------------------------------------------
+
+_TAGGED = ddp.TAGGED
+_UNTAGGED = ddp.UNTAGGED
+_TAGGED_LEN = ddp.TAGGED_HEADER_LEN
+_UNTAGGED_LEN = ddp.UNTAGGED_HEADER_LEN
+_REASONS = ("", "bad_dv", "bad_reserved", "bad_rv", "bad_opcode", "bad_tagged")
+
+
+def _classify(ctrl: int, rctl: int) -> int:
+    """Opcode for a valid (DDP control, RDMAP control) pair, else -reason index."""
+    if ctrl & ddp.DV_MASK != ddp.DDP_VERSION:
+        return -1
+    if ctrl & ddp.RSVD_MASK:
+        return -2
+    if rctl >> 6 != RDMAP_VERSION:
+        return -3
+    if rctl & 0x30:
+        return -2
+    op = rctl & 0x0F
+    if op not in OPCODE_QN and op not in TAGGED_OPCODES:
+        return -4
+    if bool(ctrl & ddp.T_FLAG) != (op in TAGGED_OPCODES):
+        return -5
+    return op
+
+
+#: (DDP control << 8 | RDMAP control) -> opcode, or -index into _REASONS.
+#: One lookup checks DV, both reserved fields, RV, the opcode and T.
+_CLASSIFY = tuple(_classify(i >> 8, i & 0xFF) for i in range(1 << 16))
+#: queue number by opcode (-1 for tagged opcodes)
+_QN = tuple(OPCODE_QN.get(op, -1) for op in range(16))
+#: exact payload length of single-segment messages by opcode; -1 none, 0 Terminate
+_FIXED = tuple(-1 if op not in SINGLE_SEGMENT else (SINGLE_SEGMENT[op] or 0) for op in range(16))
+_INVALIDATES = tuple(op in INVALIDATE_OPCODES for op in range(16))
+_RCTL = tuple((RDMAP_VERSION << 6) | op for op in range(16))
+
+
+def decode_untrusted(
+    buf: bytes | bytearray | memoryview, offset: int = 0
+) -> tuple[TaggedHeader | UntaggedHeader, memoryview]:
+    """Check and parse one DDP segment carrying RDMAP, starting at ``offset``.
+
+    Returns the header and a view of the segment's payload (for Read Request,
+    Terminate, Atomic and Immediate Data: their RDMAP header, which the
+    ``decode_*_untrusted`` functions below parse).
+
+    Raises:
+        WireError: ``truncated``, ``bad_dv``, ``bad_reserved``, ``bad_rv``,
+            ``bad_opcode``, ``bad_tagged`` (T flag wrong for the opcode),
+            ``bad_qn``, ``bad_segment`` (a single-segment message with L=0
+            or MO!=0) or ``bad_length``; never anything else.
+    """
+    n = len(buf) - offset
+    if n < _TAGGED_LEN:
+        raise WireError("truncated", f"{n} bytes of DDP segment")
+    if buf[offset] & 0x80:
+        ctrl, rctl, stag, to = _TAGGED.unpack_from(buf, offset)
+        op = _CLASSIFY[(ctrl << 8) | rctl]
+        if op < 0:
+            raise WireError(_REASONS[-op])
+        return TaggedHeader(op, ctrl & 0x40 != 0, stag, to), memoryview(buf)[offset + _TAGGED_LEN :]
+    if n < _UNTAGGED_LEN:
+        raise WireError("truncated", f"{n} bytes of untagged DDP segment")
+    ctrl, rctl, word, qn, msn, mo = _UNTAGGED.unpack_from(buf, offset)
+    op = _CLASSIFY[(ctrl << 8) | rctl]
+    if op < 0:
+        raise WireError(_REASONS[-op])
+    if qn != _QN[op]:
+        raise WireError("bad_qn", f"QN {qn} for opcode {op}")
+    if word and not _INVALIDATES[op]:
+        raise WireError("bad_reserved", "RsvdULP[8:39]")
+    last = ctrl & 0x40 != 0
+    fixed = _FIXED[op]
+    if fixed >= 0:
+        if not last or mo:
+            raise WireError("bad_segment", f"opcode {op} must be one segment")
+        size = n - _UNTAGGED_LEN
+        if size != fixed if fixed else not TERMINATE_MIN_LEN <= size <= TERMINATE_MAX_LEN:
+            raise WireError("bad_length", f"{size} bytes for opcode {op}")
+    return UntaggedHeader(op, last, word, qn, msn, mo), memoryview(buf)[offset + _UNTAGGED_LEN :]
+
+
+def pack_tagged_into(
+    buf: bytearray | memoryview, offset: int, opcode: int, last: bool, stag: int, to: int
+) -> int:
+    """Write a tagged segment header (Write / Read Response); return its length.
+
+    Raises:
+        ValueError: ``opcode`` is not tagged, or a field is out of range.
+    """
+    if opcode not in TAGGED_OPCODES:
+        raise ValueError(f"opcode {opcode} is not a tagged RDMAP message")
+    try:
+        _TAGGED.pack_into(buf, offset, ddp.CTRL_TAGGED | (ddp.L_FLAG if last else 0), _RCTL[opcode], stag, to)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return _TAGGED_LEN
+
+
+def pack_untagged_into(
+    buf: bytearray | memoryview,
+    offset: int,
+    opcode: int,
+    last: bool,
+    msn: int,
+    mo: int,
+    inv_stag: int = 0,
+) -> int:
+    """Write an untagged segment header; the queue number follows the opcode.
+
+    Returns the header length.
+
+    Raises:
+        ValueError: ``opcode`` is tagged or unknown, ``inv_stag`` given for an
+            opcode that does not invalidate, or a field is out of range.
+    """
+    qn = OPCODE_QN.get(opcode)
+    if qn is None:
+        raise ValueError(f"opcode {opcode} is not an untagged RDMAP message")
+    if inv_stag and opcode not in INVALIDATE_OPCODES:
+        raise ValueError(f"opcode {opcode} carries no Invalidate STag")
+    try:
+        _UNTAGGED.pack_into(
+            buf, offset, ddp.CTRL_UNTAGGED | (ddp.L_FLAG if last else 0), _RCTL[opcode], inv_stag, qn, msn, mo
+        )
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return _UNTAGGED_LEN
+
+
+def encode_tagged(
+    opcode: int, last: bool, stag: int, to: int, payload: bytes | bytearray | memoryview = b""
+) -> bytes:
+    """Return a whole tagged segment: header + ``payload``.
+
+    Raises:
+        ValueError: as ``pack_tagged_into``.
+    """
+    buf = bytearray(_TAGGED_LEN + len(payload))
+    pack_tagged_into(buf, 0, opcode, last, stag, to)
+    buf[_TAGGED_LEN:] = payload
+    return bytes(buf)
+
+
+def encode_untagged(
+    opcode: int,
+    last: bool,
+    msn: int,
+    mo: int,
+    payload: bytes | bytearray | memoryview = b"",
+    inv_stag: int = 0,
+) -> bytes:
+    """Return a whole untagged segment: header + ``payload``.
+
+    Raises:
+        ValueError: as ``pack_untagged_into``.
+    """
+    buf = bytearray(_UNTAGGED_LEN + len(payload))
+    pack_untagged_into(buf, 0, opcode, last, msn, mo, inv_stag)
+    buf[_UNTAGGED_LEN:] = payload
+    return bytes(buf)
+
+
+def decode_reference(buf: bytes) -> tuple[TaggedHeader | UntaggedHeader, bytes]:
+    """Parse one segment with the ``construct`` declaration alone (slow).
+
+    The tests hold ``decode_untrusted`` to this.
+
+    Raises:
+        WireError: ``reference`` for anything the declaration rejects.
+    """
+    try:
+        p = RDMAP_SEGMENT.parse(buf)
+    except (c.ConstructError, KeyError) as e:
+        raise WireError("reference", str(e)) from None
+    if p.ddp.T:
+        return TaggedHeader(p.rdmap.opcode, p.ddp.L, p.tagged.stag, p.tagged.to), p.payload
+    u = p.untagged
+    return UntaggedHeader(p.rdmap.opcode, p.ddp.L, u.inv_stag, u.qn, u.msn, u.mo), p.payload
+
+
+# --- RDMAP headers carried as payload: fast path -----------------------------
+
+_READ_REQUEST = struct.Struct("!IQIIQ")
+_ATOMIC_REQUEST = struct.Struct("!IIIQQQQQ")
+_ATOMIC_RESPONSE = struct.Struct("!IQ")
+_IMMEDIATE = struct.Struct("!Q")
+_TERM_WORD = struct.Struct("!I")
+_TERM_SEGLEN = struct.Struct("!H")
+_TERM_M, _TERM_D, _TERM_R = 0x8000, 0x4000, 0x2000
+assert _READ_REQUEST.size == READ_REQUEST_LEN
+assert _ATOMIC_REQUEST.size == ATOMIC_REQUEST_LEN
+assert _ATOMIC_RESPONSE.size == ATOMIC_RESPONSE_LEN
+
+
+def _exact(body: bytes | bytearray | memoryview, want: int, what: str) -> None:
+    if len(body) != want:
+        raise WireError("bad_length", f"{what}: {len(body)} bytes, want {want}")
+
+
+def _packed(s: struct.Struct, *values: int) -> bytes:
+    try:
+        return s.pack(*values)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+
+
+def encode_read_request(r: ReadRequest) -> bytes:
+    """Return the 28-byte Read Request header (RFC 5040 §4.4).
+
+    Raises:
+        ValueError: a field is out of range.
+    """
+    return _packed(_READ_REQUEST, *r)
+
+
+def decode_read_request_untrusted(body: bytes | bytearray | memoryview) -> ReadRequest:
+    """Parse a Read Request header.  Raises WireError (``bad_length``) only."""
+    _exact(body, READ_REQUEST_LEN, "read request")
+    return ReadRequest(*_READ_REQUEST.unpack_from(body))
+
+
+def encode_atomic_request(a: AtomicRequest) -> bytes:
+    """Return the 52-byte Atomic Request header (RFC 7306 §5.2).
+
+    Raises:
+        ValueError: unknown atomic operation or a field out of range.
+    """
+    if a.aop not in _ATOMIC_OPS:
+        raise ValueError(f"unknown atomic operation {a.aop}")
+    return _packed(_ATOMIC_REQUEST, *a)
+
+
+def decode_atomic_request_untrusted(body: bytes | bytearray | memoryview) -> AtomicRequest:
+    """Parse an Atomic Request header.
+
+    Raises:
+        WireError: ``bad_length``, ``bad_reserved`` or ``bad_atomic_op`` only.
+    """
+    _exact(body, ATOMIC_REQUEST_LEN, "atomic request")
+    a = AtomicRequest(*_ATOMIC_REQUEST.unpack_from(body))
+    if a.aop >> 4:
+        raise WireError("bad_reserved", "atomic request")
+    if a.aop not in _ATOMIC_OPS:
+        raise WireError("bad_atomic_op", str(a.aop))
+    return a
+
+
+def encode_atomic_response(a: AtomicResponse) -> bytes:
+    """Return the 12-byte Atomic Response header (RFC 7306 §5.3).
+
+    Raises:
+        ValueError: a field is out of range.
+    """
+    return _packed(_ATOMIC_RESPONSE, *a)
+
+
+def decode_atomic_response_untrusted(body: bytes | bytearray | memoryview) -> AtomicResponse:
+    """Parse an Atomic Response header.  Raises WireError (``bad_length``) only."""
+    _exact(body, ATOMIC_RESPONSE_LEN, "atomic response")
+    return AtomicResponse(*_ATOMIC_RESPONSE.unpack_from(body))
+
+
+def encode_immediate_data(data: int) -> bytes:
+    """Return the 8 bytes of Immediate Data (RFC 7306 §4), big-endian.
+
+    Raises:
+        ValueError: ``data`` does not fit in 64 bits.
+    """
+    return _packed(_IMMEDIATE, data)
+
+
+def decode_immediate_data_untrusted(body: bytes | bytearray | memoryview) -> int:
+    """Parse Immediate Data.  Raises WireError (``bad_length``) only."""
+    _exact(body, IMMEDIATE_DATA_LEN, "immediate data")
+    return int(_IMMEDIATE.unpack_from(body)[0])
+
+
+def encode_terminate(t: Terminate) -> bytes:
+    """Return the Terminate header (RFC 5040 §4.8).
+
+    Raises:
+        ValueError: unknown layer/EType, a copied header of the wrong size,
+            or a field out of range.
+    """
+    if t.layer not in _TERM_ETYPES or t.etype not in _TERM_ETYPES[t.layer]:
+        raise ValueError(f"unknown Terminate layer/etype {t.layer}/{t.etype}")
+    if not 0 <= t.ecode <= 0xFF:
+        raise ValueError(f"error code {t.ecode} out of range")
+    if t.ddp_header:
+        want = ddp.TAGGED_HEADER_LEN if t.ddp_header[0] & ddp.T_FLAG else ddp.UNTAGGED_HEADER_LEN
+        if len(t.ddp_header) != want:
+            raise ValueError(f"copied DDP header of {len(t.ddp_header)} bytes, its T bit says {want}")
+    elif t.ddp_segment_length:
+        raise ValueError("a DDP segment length goes with a copied DDP header")
+    if t.rdmap_header and len(t.rdmap_header) != READ_REQUEST_LEN:
+        raise ValueError(f"copied RDMAP header of {len(t.rdmap_header)} bytes")
+    word = (
+        (t.layer << 28)
+        | (t.etype << 24)
+        | (t.ecode << 16)
+        | (_TERM_M if t.m else 0)
+        | (_TERM_D if t.ddp_header else 0)
+        | (_TERM_R if t.rdmap_header else 0)
+    )
+    out = bytearray(_TERM_WORD.pack(word))
+    if t.ddp_header:
+        out += _packed(_TERM_SEGLEN, t.ddp_segment_length)
+        out += t.ddp_header
+    out += t.rdmap_header
+    return bytes(out)
+
+
+def decode_terminate_untrusted(body: bytes | bytearray | memoryview) -> Terminate:
+    """Parse a Terminate header.
+
+    Raises:
+        WireError: ``bad_length``, ``bad_reserved`` or ``bad_layer``; nothing else.
+    """
+    n = len(body)
+    if n < TERMINATE_MIN_LEN:
+        raise WireError("bad_length", f"terminate of {n} bytes")
+    (word,) = _TERM_WORD.unpack_from(body)
+    if word & 0x1FFF:
+        raise WireError("bad_reserved", "terminate")
+    layer, etype, ecode = word >> 28, (word >> 24) & 0xF, (word >> 16) & 0xFF
+    if layer not in _TERM_ETYPES or etype not in _TERM_ETYPES[layer]:
+        raise WireError("bad_layer", f"layer {layer} etype {etype}")
+    off = TERMINATE_MIN_LEN
+    seglen, ddp_header, rdmap_header = 0, b"", b""
+    if word & _TERM_D:
+        if n < off + 3:
+            raise WireError("bad_length", "terminate: copied DDP header cut short")
+        (seglen,) = _TERM_SEGLEN.unpack_from(body, off)
+        off += 2
+        hlen = ddp.TAGGED_HEADER_LEN if body[off] & ddp.T_FLAG else ddp.UNTAGGED_HEADER_LEN
+        ddp_header = bytes(body[off : off + hlen])
+        off += hlen
+    if word & _TERM_R:
+        rdmap_header = bytes(body[off : off + READ_REQUEST_LEN])
+        off += READ_REQUEST_LEN
+    if off != n:
+        raise WireError("bad_length", f"terminate of {n} bytes, its header says {off}")
+    return Terminate(layer, etype, ecode, bool(word & _TERM_M), seglen, ddp_header, rdmap_header)
