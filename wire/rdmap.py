@@ -250,6 +250,7 @@ READ_REQUEST = c.Struct(  # RFC 5040 §4.4
     "size" / c.Int32ub,
     "src_stag" / c.Int32ub,
     "src_to" / c.Int64ub,
+    c.Terminated,  # the header is the whole DDP payload
 )
 
 TERMINATE = c.Struct(  # RFC 5040 §4.8
@@ -284,14 +285,16 @@ ATOMIC_REQUEST = c.Struct(  # RFC 7306 §5.2
     "add_swap_mask" / c.Int64ub,
     "compare_data" / c.Int64ub,
     "compare_mask" / c.Int64ub,
+    c.Terminated,
 )
 
 ATOMIC_RESPONSE = c.Struct(  # RFC 7306 §5.3
     "req_id" / c.Int32ub,
     "orig_value" / c.Int64ub,
+    c.Terminated,
 )
 
-IMMEDIATE_DATA = c.Struct("data" / c.Int64ub)  # RFC 7306 §4
+IMMEDIATE_DATA = c.Struct("data" / c.Int64ub, c.Terminated)  # RFC 7306 §4
 
 _TERM_ETYPES: dict[int, frozenset[int]] = {
     TermLayer.RDMAP: frozenset(RdmapErrorType),
