@@ -1,0 +1,450 @@
+"""perftest-style benchmarks: parameters, the two roles, and one session.
+
+Theory of operation
+-------------------
+As with perftest's ``ib_write_lat`` and friends, one program plays either
+role: started without a peer it is the *server* and waits on a TCP port;
+started with ``--peer`` it is the *client*, connects, and sends the test
+parameters.  The client's parameters rule the session (sizes, iterations,
+depth, MTU); the server only checks that it was started for the same test.
+
+A :class:`Session` then walks the message sizes in lock-step on both sides,
+each step bracketed by :meth:`ControlChannel.exchange` (the barrier):
+
+1. set-up: each side opens its udpverbs resources (QP, MR, CQ) and the two
+   exchange QPN, rkey, buffer address and daemon address, as perftest does
+   out of band; with a baseline, each side opens a UDP socket on the address
+   the control connection uses and the two exchange ports;
+2. for every size: the udpverbs run (:mod:`udpverbs.bench.verbs_perf`), then
+   the baseline run (:mod:`udpverbs.bench.rawudp`) between the same two
+   processes; the client computes the statistics, prints the row, and sends
+   it to the server, which prints it too (a perftest server also reports);
+3. ``bye``.
+
+A side that fails tells the other (``{"op": "error"}``) before raising, so
+neither waits for a peer that has given up; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, TextIO
+
+from . import rawudp
+from .control import ControlChannel, ControlError
+from .report import RESULT_LINE, Row, Stats, banner, columns, format_row, row_from_json, row_json
+from .stats import bandwidth_stats, latency_stats
+
+#: Version of the control conversation; both sides must speak the same.
+PROTOCOL_VERSION = 1
+#: The longest a side waits for its peer at a barrier outside a run.
+STEP_TIMEOUT_S = 60.0
+#: The longest a side waits for its peer to finish one size's run.
+RUN_TIMEOUT_S = 900.0
+
+MAX_SIZE = 1 << 30
+#: ``-a`` sweeps 2 … 2**23 bytes, as perftest does.
+ALL_SIZES = [1 << k for k in range(1, 24)]
+#: Without ``-n``, large messages get fewer iterations so that one size
+#: moves at most this many bytes (perftest's fixed counts would take minutes
+#: per size in Python at 8 MB).
+LAT_VOLUME_BYTES = 32 << 20
+BW_VOLUME_BYTES = 128 << 20
+MIN_DEFAULT_ITERS = 5
+
+
+class PerfUsageError(Exception):
+    """The parameters are inconsistent or out of range (a caller mistake)."""
+
+
+@dataclass(frozen=True)
+class TestSpec:
+    """What one perftest test is: the verb, latency or bandwidth, defaults."""
+
+    name: str
+    verb: str  # "write", "read", "send", "atomic"
+    is_latency: bool
+    title: str
+
+    @property
+    def default_size(self) -> int:
+        if self.verb == "atomic":
+            return 8  # an atomic operand is 64 bits (RFC 7306 §4)
+        return 2 if self.is_latency else 65536
+
+    @property
+    def default_iters(self) -> int:
+        return 1000 if self.is_latency else 5000
+
+    @property
+    def default_tx_depth(self) -> int:
+        return 1 if self.is_latency else 128
+
+
+def _spec(verb: str, kind: str, title: str) -> TestSpec:
+    return TestSpec(f"{verb}_{kind}", verb, kind == "lat", title)
+
+
+TESTS: dict[str, TestSpec] = {
+    t.name: t
+    for t in (
+        _spec("write", "lat", "RDMA_Write Latency Test"),
+        _spec("read", "lat", "RDMA_Read Latency Test"),
+        _spec("send", "lat", "Send Latency Test"),
+        _spec("atomic", "lat", "Atomic FETCH_AND_ADD Latency Test"),
+        _spec("write", "bw", "RDMA_Write BW Test"),
+        _spec("read", "bw", "RDMA_Read BW Test"),
+        _spec("send", "bw", "Send BW Test"),
+        _spec("atomic", "bw", "Atomic FETCH_AND_ADD BW Test"),
+    )
+}
+BASELINES = ("raw-udp",)
+
+
+@dataclass(frozen=True)
+class PerfParams:
+    """A benchmark's parameters, perftest's flags by their meaning.
+
+    ``size``/``iters``/``tx_depth`` of None mean "the test's default".
+    """
+
+    test: str
+    size: int | None = None
+    all_sizes: bool = False
+    iters: int | None = None
+    duration_s: float | None = None
+    qps: int = 1
+    tx_depth: int | None = None
+    mtu: int = 1500
+    baseline: str | None = None
+    baseline_only: bool = False
+    #: largest size of a ``-a`` sweep
+    max_size: int = ALL_SIZES[-1]
+    #: without ``-n``: the most bytes one size moves (None: the test's default)
+    max_volume: int | None = None
+
+    @property
+    def spec(self) -> TestSpec:
+        return TESTS[self.test]
+
+    def validate(self) -> "PerfParams":
+        """Check the parameters together.
+
+        Returns: self.
+        Raises: PerfUsageError with a message naming the flag.
+        """
+        if self.test not in TESTS:
+            raise PerfUsageError(f"unknown test {self.test!r}; choose one of {', '.join(TESTS)}")
+        spec = self.spec
+        if self.size is not None and self.all_sizes:
+            raise PerfUsageError("-s and -a are exclusive: -a already runs every size 2 … 2^23")
+        if not 2 <= self.max_size <= MAX_SIZE:
+            raise PerfUsageError(f"--max-size must be between 2 and {MAX_SIZE} bytes")
+        if self.max_volume is not None and self.max_volume < 1:
+            raise PerfUsageError("the volume per size must be positive")
+        if self.size is not None and not 1 <= self.size <= MAX_SIZE:
+            raise PerfUsageError(f"-s must be between 1 and {MAX_SIZE} bytes")
+        if spec.verb == "atomic" and (self.all_sizes or self.size not in (None, 8)):
+            raise PerfUsageError("atomic tests move 8 bytes: -s and -a do not apply")
+        if self.iters is not None and self.duration_s is not None:
+            raise PerfUsageError("-n and -D are exclusive: run a number of iterations or a duration")
+        if self.iters is not None and self.iters < 1:
+            raise PerfUsageError("-n must be at least 1")
+        if self.duration_s is not None and not 0 < self.duration_s <= 3600:
+            raise PerfUsageError("-D must be more than 0 and at most 3600 seconds")
+        if self.qps < 1 or self.qps > 1024:
+            raise PerfUsageError("-q must be between 1 and 1024")
+        if spec.is_latency and self.qps != 1:
+            raise PerfUsageError("latency tests use one QP (as perftest's): -q applies to bandwidth tests")
+        if self.tx_depth is not None:
+            if not 1 <= self.tx_depth <= 16384:
+                raise PerfUsageError("-t must be between 1 and 16384")
+            if spec.is_latency and self.tx_depth != 1:
+                raise PerfUsageError("latency tests keep one message in flight: -t applies to bandwidth tests")
+        if not 128 <= self.mtu <= 65535:
+            raise PerfUsageError("-m (the UDP path MTU) must be between 128 and 65535 bytes")
+        if self.baseline is not None and self.baseline not in BASELINES:
+            raise PerfUsageError(f"unknown baseline {self.baseline!r}; choose one of {', '.join(BASELINES)}")
+        if self.baseline_only and self.baseline is None:
+            raise PerfUsageError("--baseline-only needs --baseline")
+        return self
+
+    def sizes(self) -> list[int]:
+        """Return the message sizes to run, in order."""
+        if self.all_sizes:
+            return [1 << k for k in range(1, MAX_SIZE.bit_length()) if 1 << k <= self.max_size]
+        return [self.size if self.size is not None else self.spec.default_size]
+
+    def iterations_for(self, size: int) -> int:
+        """Return the iteration count for one size (ignored under ``-D``).
+
+        ``-n`` wins; otherwise perftest's default, lowered for large messages
+        so that one size moves at most LAT_VOLUME_BYTES / BW_VOLUME_BYTES.
+        """
+        if self.iters is not None:
+            return self.iters
+        volume = self.max_volume or (LAT_VOLUME_BYTES if self.spec.is_latency else BW_VOLUME_BYTES)
+        return max(MIN_DEFAULT_ITERS, min(self.spec.default_iters, volume // size))
+
+    def depth(self) -> int:
+        """Return the number of messages kept in flight per QP."""
+        return self.tx_depth if self.tx_depth is not None else self.spec.default_tx_depth
+
+    def to_wire(self) -> dict[str, Any]:
+        """Return the parameters as a JSON-able object."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "PerfParams":
+        """Rebuild and validate parameters sent by a client.
+
+        Raises: PerfUsageError if the object is not a valid parameter set.
+        """
+        if not isinstance(obj, dict):
+            raise PerfUsageError("parameters are not an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(obj) - names
+        if unknown or "test" not in obj:
+            raise PerfUsageError(f"bad parameter names: {sorted(unknown) or 'test missing'}")
+        try:
+            params = cls(**obj)
+        except TypeError as e:
+            raise PerfUsageError(f"bad parameters: {e}") from e
+        for f in ("size", "iters", "tx_depth", "qps", "mtu", "max_size", "max_volume"):
+            v = getattr(params, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise PerfUsageError(f"parameter {f} must be an integer")
+        return params.validate()
+
+
+def warmup_iters(iters: int) -> int:
+    """Return the round trips run before measuring (caches, page faults, daemons' spin)."""
+    return min(100, max(1, iters // 10))
+
+
+class Session:
+    """One benchmark conversation, on either side.
+
+    Takes: the validated parameters, the control channel, the role
+    (``is_client``), where to print (``out``, None for nothing), JSON output,
+    the daemon to use (``device``), and a progress callback for the client.
+    """
+
+    def __init__(
+        self,
+        params: PerfParams,
+        ctrl: ControlChannel,
+        *,
+        is_client: bool,
+        out: TextIO | None = None,
+        json_out: bool = False,
+        device: str | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        self.params = params
+        self.ctrl = ctrl
+        self.is_client = is_client
+        self.out = out
+        self.json_out = json_out
+        self.device = device
+        self.progress = progress
+        self.rows: list[Row] = []
+        self._udp = None
+        self._ours: Any = None
+
+    # -- output -------------------------------------------------------------
+    def _print(self, line: str) -> None:
+        if self.out is not None:
+            print(line, file=self.out, flush=True)
+
+    def _emit(self, row: Row) -> None:
+        self.rows.append(row)
+        if self.json_out:
+            import json
+
+            self._print(json.dumps(row_json(row)))
+        else:
+            for line in format_row(row):
+                self._print(line)
+
+    def _banner(self) -> None:
+        if self.json_out:
+            return
+        p = self.params
+        settings = [
+            ("Number of qps", f"{p.qps}\t\tTransport type : iWARP over UDP (udpverbs)"),
+            ("Connection type", "RC\t\tUsing SRQ      : OFF"),
+            ("TX depth", str(p.depth())),
+            ("Mtu", f"{p.mtu}[B]"),
+            ("Link type", "UDP/IPv4"),
+            ("Data ex. method", "Ethernet (TCP control connection)"),
+        ]
+        if p.baseline:
+            settings.append(("Baseline", f"{p.baseline}{' only' if p.baseline_only else ''}"))
+        local = remote = None
+        if self._ours is not None:
+            local, remote = self._ours.addresses()
+        elif self._udp is not None:
+            local = "UDP {}:{}".format(*self._udp.getsockname())
+            remote = "UDP {}:{}".format(*self._udp.getpeername())
+        for line in banner(p.spec.title, settings, local, remote):
+            self._print(line)
+        self._print(columns(p.spec.is_latency, p.baseline is not None and not p.baseline_only))
+
+    # -- the conversation -----------------------------------------------------
+    def run(self) -> list[Row]:
+        """Run every size on this side.
+
+        Returns: the rows (the client computes them; the server receives them).
+        Raises: ControlError if the peer fails or goes away; the udpverbs
+        side's and the baseline's errors; in every case the peer is told.
+        """
+        try:
+            return self._run()
+        except BaseException as e:
+            try:
+                self.ctrl.send({"op": "error", "message": f"{type(e).__name__}: {e}"})
+            except ControlError:
+                pass
+            raise
+        finally:
+            self.close()
+
+    def _run(self) -> list[Row]:
+        p = self.params
+        if not p.baseline_only:
+            from . import verbs_perf  # imported only when udpverbs itself is measured
+
+            self._ours = verbs_perf.open_side(p, self.ctrl, is_client=self.is_client, device=self.device)
+        if p.baseline:
+            self._open_udp()
+        self._banner()
+        sizes = p.sizes()
+        for k, size in enumerate(sizes):
+            if self.progress is not None:
+                self.progress(k, len(sizes), size)
+            iters = p.iterations_for(size)
+            ours: Stats | None = None
+            base: Stats | None = None
+            if self._ours is not None:
+                ours = self._ours.run(size, iters, p.duration_s)
+            if self._udp is not None:
+                base = self._run_raw(size, iters, run=k + 1)
+            if self.is_client:
+                row = Row(p.test, size, ours, base, p.baseline or "raw-udp")
+                self.ctrl.send({"op": "row", "row": row_json(row)})
+            else:
+                msg = self.ctrl.expect("row", STEP_TIMEOUT_S)
+                try:
+                    row = row_from_json(msg["row"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ControlError(f"malformed row from the client: {e}") from e
+            self._emit(row)
+        if self.progress is not None:
+            self.progress(len(sizes), len(sizes), 0)
+        self.ctrl.exchange({"op": "bye"}, STEP_TIMEOUT_S)
+        if not self.json_out:
+            self._print(RESULT_LINE)
+        return self.rows
+
+    def _open_udp(self) -> None:
+        # The data sockets live on the addresses the control connection uses,
+        # so the baseline crosses the same path as the daemons' traffic.
+        sock = rawudp.open_socket(self.ctrl.local_ip())
+        try:
+            ip, port = sock.getsockname()
+            peer = self.ctrl.exchange({"op": "udp", "addr": [ip, port]}, STEP_TIMEOUT_S)
+            addr = peer.get("addr")
+            if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str) and isinstance(addr[1], int)):
+                raise ControlError(f"malformed UDP address from the peer: {addr!r}")
+            sock.connect((addr[0], addr[1]))
+        except BaseException:
+            sock.close()
+            raise
+        self._udp = sock
+
+    def _stop_when_done(self) -> bool:
+        msg = self.ctrl.poll(0.0)
+        if msg is None:
+            return False
+        if msg.get("op") == "done":
+            return True
+        if msg.get("op") == "error":
+            raise ControlError(f"peer failed: {msg.get('message', '?')}")
+        raise ControlError(f"expected 'done' from the client, got {msg.get('op')!r}")
+
+    def _run_raw(self, size: int, iters: int, run: int) -> Stats | None:
+        p = self.params
+        sock = self._udp
+        assert sock is not None
+        self.ctrl.exchange({"op": "raw", "size": size, "run": run}, STEP_TIMEOUT_S)
+        if not self.is_client:
+            serve = rawudp.latency_server if p.spec.is_latency else rawudp.bandwidth_server
+            serve(sock, size, p.mtu, stop=self._stop_when_done, run=run)
+            return None
+        if p.spec.is_latency:
+            samples = rawudp.latency_client(
+                sock, size, p.mtu, iters=iters, duration_s=p.duration_s, warmup=warmup_iters(iters), run=run
+            )
+            self.ctrl.send({"op": "done"})
+            return latency_stats(samples)
+        start, completions = rawudp.bandwidth_client(sock, size, p.mtu, iters=iters, duration_s=p.duration_s, run=run)
+        self.ctrl.send({"op": "done"})
+        return bandwidth_stats(size, start, completions, p.depth())
+
+    def close(self) -> None:
+        """Release the udpverbs resources and the data socket (safe twice)."""
+        if self._ours is not None:
+            self._ours.close()
+            self._ours = None
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
+
+
+def hello(ctrl: ControlChannel, params: PerfParams) -> None:
+    """Client: send the parameters and wait for the server's agreement.
+
+    Raises: ControlError if the server refuses them or does not answer.
+    """
+    ctrl.send({"op": "params", "version": PROTOCOL_VERSION, "params": params.to_wire()})
+    ctrl.expect("params", STEP_TIMEOUT_S)
+
+
+def welcome(ctrl: ControlChannel, test: str, timeout_s: float = STEP_TIMEOUT_S) -> PerfParams:
+    """Server: receive and check the client's parameters, and agree.
+
+    Takes: the test this server was started for.
+    Returns: the client's parameters (they rule the session).
+    Raises: ControlError after telling the client why its parameters were refused.
+    """
+    msg = ctrl.expect("params", timeout_s)
+    try:
+        if msg.get("version") != PROTOCOL_VERSION:
+            raise PerfUsageError(f"client speaks control version {msg.get('version')}, we speak {PROTOCOL_VERSION}")
+        params = PerfParams.from_wire(msg.get("params"))
+        if params.test != test:
+            raise PerfUsageError(f"client runs {params.test}, this server was started for {test}")
+    except PerfUsageError as e:
+        ctrl.send({"op": "error", "message": str(e)})
+        raise ControlError(f"refused the client's parameters: {e}") from e
+    ctrl.send({"op": "params", "ok": True})
+    return params
+
+
+def tty_progress(stream: TextIO = sys.stderr) -> Callable[[int, int, int], None]:
+    """Return a progress callback that redraws one status line on ``stream``."""
+
+    def show(done: int, total: int, size: int) -> None:
+        if done >= total:
+            stream.write("\r" + " " * 60 + "\r")
+        else:
+            width = 30
+            filled = math.floor(width * done / total)
+            stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {size} B ")
+        stream.flush()
+
+    return show

@@ -1,0 +1,154 @@
+"""perftest-style output: the banner, the result table, and JSON rows.
+
+Theory of operation
+-------------------
+The text output imitates perftest's so that people who read ``ib_write_lat``
+and ``ib_write_bw`` output every day read ours without thinking: a banner
+between dashed lines naming the test and its settings, the local and remote
+addresses, then one line per message size under perftest's column titles.
+When a baseline runs in the same invocation, its figures follow each row on
+a line of their own, and the ours-over-baseline ratio of the headline figure
+(typical latency, average bandwidth) closes the udpverbs line.
+
+``--json`` replaces all of that with one JSON object per row (and nothing
+else on stdout), keyed as documented in :func:`row_json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Union
+
+from .stats import BandwidthStats, LatencyStats
+
+Stats = Union[LatencyStats, BandwidthStats]
+
+RESULT_LINE = "-" * 87
+LAT_COLUMNS = (
+    " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]"
+    "    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]"
+)
+BW_COLUMNS = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One message size's result: ours, and the baseline's when one ran."""
+
+    test: str
+    bytes: int
+    ours: Stats | None
+    baseline: Stats | None = None
+    baseline_name: str = "raw-udp"
+
+    @property
+    def main(self) -> Stats:
+        """The figures the row leads with (the baseline's in baseline-only runs)."""
+        stats = self.ours if self.ours is not None else self.baseline
+        assert stats is not None, "a row holds at least one measurement"
+        return stats
+
+
+def headline(stats: Stats) -> float:
+    """Return the figure a ratio is quoted for: typical latency or average bandwidth."""
+    if isinstance(stats, LatencyStats):
+        return stats.t_typical_us
+    return stats.bw_avg_MBps
+
+
+def _ratios(ours: Stats, base: Stats) -> dict[str, float | None]:
+    a, b = ours.as_dict(), base.as_dict()
+    return {k: (a[k] / b[k] if b[k] else None) for k in a}
+
+
+def row_json(row: Row) -> dict[str, Any]:
+    """Return the JSON object of one row.
+
+    Keys: ``test``, ``bytes``, ``iterations``, ``transport`` ("udpverbs", or
+    the baseline's name in a baseline-only run), then the figures
+    (``t_min_us t_max_us t_typical_us t_avg_us t_stdev_us p99_us p999_us``
+    or ``bw_peak_MBps bw_avg_MBps msg_rate_Mpps``).  With a baseline beside
+    ours: ``baseline`` (an object with ``iterations`` and the same figure
+    keys) and ``ratio`` (ours / baseline for every figure; None where the
+    baseline's figure is 0).
+    """
+    main = row.main
+    out: dict[str, Any] = {
+        "test": row.test,
+        "bytes": row.bytes,
+        "iterations": main.iterations,
+        "transport": "udpverbs" if row.ours is not None else row.baseline_name,
+    }
+    out.update(main.as_dict())
+    if row.ours is not None and row.baseline is not None:
+        out["baseline"] = {"name": row.baseline_name, "iterations": row.baseline.iterations, **row.baseline.as_dict()}
+        out["ratio"] = _ratios(row.ours, row.baseline)
+    return out
+
+
+def _stats_from(d: dict[str, Any]) -> Stats:
+    cls: type[LatencyStats] | type[BandwidthStats] = LatencyStats if "t_typical_us" in d else BandwidthStats
+    return cls(**{f.name: (int if f.name == "iterations" else float)(d[f.name]) for f in fields(cls)})
+
+
+def row_from_json(obj: dict[str, Any]) -> Row:
+    """Rebuild a row from :func:`row_json`'s object (the server prints the client's rows).
+
+    Raises: KeyError or TypeError on an object that is not a row.
+    """
+    main = _stats_from(obj)
+    if obj["transport"] == "udpverbs":
+        base = _stats_from(obj["baseline"]) if "baseline" in obj else None
+        name = obj["baseline"]["name"] if "baseline" in obj else "raw-udp"
+        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name)
+    return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]))
+
+
+def columns(is_latency: bool, with_ratio: bool) -> str:
+    """Return the column-title line (perftest's, plus a ratio column with a baseline)."""
+    line = LAT_COLUMNS if is_latency else BW_COLUMNS
+    return line + ("   ratio" if with_ratio else "")
+
+
+def _figures(bytes_: int, s: Stats) -> str:
+    if isinstance(s, LatencyStats):
+        return (
+            f" {bytes_:<7d} {s.iterations:<10d}    {s.t_min_us:<7.2f}        {s.t_max_us:<7.2f}"
+            f"      {s.t_typical_us:<7.2f}            {s.t_avg_us:<7.2f}          {s.t_stdev_us:<7.2f}"
+            f"         {s.p99_us:<7.2f}                 {s.p999_us:<7.2f}"
+        )
+    return (
+        f" {bytes_:<7d}    {s.iterations:<10d}       {s.bw_peak_MBps:<7.2f}            "
+        f"{s.bw_avg_MBps:<7.2f}               {s.msg_rate_Mpps:<7.6f}"
+    )
+
+
+def format_row(row: Row) -> list[str]:
+    """Return the table lines of one row: ours (with the ratio), then the baseline."""
+    if row.ours is None:
+        return [_figures(row.bytes, row.main) + f"   ({row.baseline_name})"]
+    if row.baseline is None:
+        return [_figures(row.bytes, row.ours)]
+    b = headline(row.baseline)
+    ratio = f"{headline(row.ours) / b:.2f}x" if b else "-"
+    return [
+        _figures(row.bytes, row.ours) + f"   {ratio}",
+        _figures(row.bytes, row.baseline) + f"   ({row.baseline_name})",
+    ]
+
+
+def banner(title: str, settings: list[tuple[str, str]], local: str | None, remote: str | None) -> list[str]:
+    """Return perftest's banner lines: title, settings, local/remote addresses.
+
+    Takes: the test title ("RDMA_Write Latency Test"), (name, value) pairs,
+    and the address lines (None to leave one out).
+    """
+    lines = [RESULT_LINE, f"{'':20s}{title}"]
+    lines += [f" {name:<16s}: {value}" for name, value in settings]
+    lines.append(RESULT_LINE)
+    for label, text in (("local", local), ("remote", remote)):
+        if text is not None:
+            lines.append(f" {label} address: {text}")
+    if local is not None or remote is not None:
+        lines.append(RESULT_LINE)
+    return lines

@@ -1,0 +1,289 @@
+"""The ``udpverbs`` command: perftest-style benchmarks and a demo.
+
+Theory of operation
+-------------------
+``udpverbs perf TEST`` is perftest's ``ib_TEST`` with the same flags and
+meanings (``-s -a -n -D -q -t -m -p --device``) and the same roles: without
+a peer it is the server and waits for a client; ``--peer HOST[:PORT]`` makes
+it the client; ``--local`` runs both sides on this host (two daemons on
+127.0.0.2 and 127.0.0.3, the server as a child process) so nothing needs
+setting up.  ``--baseline raw-udp`` measures bare UDP sockets between the
+same two processes in the same run and prints it beside every row.
+
+``udpverbs demo`` is the first command to try after installing: a local
+write latency sweep and write bandwidth sweep with the baseline, the tables,
+and a plot.
+
+Exit status: 0 on success, 2 for a usage error, 1 when the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence, TextIO
+
+from udpverbs.bench import local
+from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
+from udpverbs.bench.perf import TESTS, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
+from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
+from udpverbs.bench.rawudp import BaselineError
+from udpverbs.bench.report import Row
+from udpverbs.bench.verbs_perf import VerbsUnavailable
+
+CONNECT_TIMEOUT_S = 10.0
+#: The demo moves at most this much per message size, to finish in about a minute.
+DEMO_VOLUME_BYTES = 16 << 20
+#: Errors that end a run with a message instead of a traceback.
+RUN_ERRORS = (ControlError, BaselineError, VerbsUnavailable, local.LocalRunError, OSError)
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit status 2)."""
+
+
+def _size(text: str) -> int:
+    # perftest accepts plain numbers; K/M suffixes save typing 8388608.
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower()
+    mult = units.get(t[-1:], 1)
+    if mult != 1:
+        t = t[:-1]
+    try:
+        return int(t, 0) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+
+
+def parse_peer(text: str, default_port: int) -> tuple[str, int]:
+    """Split ``HOST[:PORT]``.
+
+    Returns: (host, port).
+    Raises: UsageError on an empty host or a bad port.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, ""
+    if not host:
+        raise UsageError(f"--peer {text!r}: no host")
+    if not port:
+        return host, default_port
+    try:
+        value = int(port)
+    except ValueError:
+        raise UsageError(f"--peer {text!r}: port must be a number") from None
+    if not 1 <= value <= 65535:
+        raise UsageError(f"--peer {text!r}: port must be 1..65535")
+    return host, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``udpverbs`` command."""
+    parser = argparse.ArgumentParser(prog="udpverbs", description="RDMA verbs over plain UDP: benchmarks and demo")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    perf = sub.add_parser(
+        "perf",
+        help="perftest-style latency and bandwidth tests",
+        description="Without --peer this is the server; with --peer HOST[:PORT] the client; "
+        "--local runs both sides on this host.",
+    )
+    perf.add_argument("test", choices=list(TESTS), help="the test, as perftest's ib_<test>")
+    perf.add_argument("-s", "--size", type=_size, help="message size in bytes (default 2 for latency, 65536 for bandwidth)")
+    perf.add_argument("-a", "--all", dest="all_sizes", action="store_true", help="run every size 2 … 2^23")
+    perf.add_argument("--max-size", type=_size, default=1 << 23, help="largest size of an -a sweep (default 8M)")
+    perf.add_argument("-n", "--iters", type=int, help="iterations per size (default 1000 latency, 5000 bandwidth, fewer for large messages)")
+    perf.add_argument("-D", "--duration", dest="duration_s", type=float, help="run each size for this many seconds instead")
+    perf.add_argument("-q", "--qps", type=int, default=1, help="number of QPs (bandwidth tests)")
+    perf.add_argument("-t", "--tx-depth", dest="tx_depth", type=int, help="messages in flight per QP (bandwidth tests; default 128)")
+    perf.add_argument("-m", "--mtu", type=int, default=1500, help="UDP path MTU in bytes (default 1500)")
+    perf.add_argument("-d", "--device", help="the udpverbs device (daemon) to use")
+    perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
+    role = perf.add_mutually_exclusive_group()
+    role.add_argument("--peer", help="run as the client of the server at HOST[:PORT]")
+    role.add_argument("--local", action="store_true", help="start two local daemons and run both sides here")
+    perf.add_argument("--bind", help="local IP address to listen on (server) or connect from (client)")
+    perf.add_argument("--baseline", choices=["raw-udp"], help="also measure bare UDP sockets in the same run")
+    perf.add_argument("--baseline-only", action="store_true", help="measure only the baseline (needs no daemon)")
+    perf.add_argument("--json", action="store_true", help="print one JSON object per row instead of the table")
+    perf.add_argument("--plot", metavar="FILE.png", help="write latency/bandwidth against message size (needs matplotlib)")
+    perf.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal")
+    perf.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # internal: --local's readiness pipe
+
+    demo = sub.add_parser("demo", help="two local daemons, write latency and bandwidth sweeps against raw UDP, a plot")
+    demo.add_argument("--plot", metavar="FILE.png", default="udpverbs-demo.png", help="where the plot goes (default %(default)s)")
+    demo.add_argument("--max-size", type=_size, default=1 << 20, help="largest message of the sweeps (default 1M)")
+    demo.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
+    return parser
+
+
+def params_from_args(args: argparse.Namespace) -> PerfParams:
+    """Return the validated parameters of ``udpverbs perf``.
+
+    Raises: UsageError with perftest-like wording.
+    """
+    try:
+        return PerfParams(
+            test=args.test,
+            size=args.size,
+            all_sizes=args.all_sizes,
+            iters=args.iters,
+            duration_s=args.duration_s,
+            qps=args.qps,
+            tx_depth=args.tx_depth,
+            mtu=args.mtu,
+            baseline=args.baseline,
+            baseline_only=args.baseline_only,
+            max_size=args.max_size,
+        ).validate()
+    except (PerfUsageError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _progress(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    if args.progress or sys.stderr.isatty():
+        return tty_progress(sys.stderr)
+    return None
+
+
+def run_server(args: argparse.Namespace, out: TextIO | None = None) -> list[Row]:
+    """Serve one client, as a perftest server does, and print its rows.
+
+    Raises: the run errors (ControlError, …).
+    """
+    out = out or sys.stdout
+    listener = listen(args.bind or "0.0.0.0", args.port)
+    try:
+        port = listener.getsockname()[1]
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, f"{port}\n".encode())
+            os.close(args.ready_fd)
+        if not args.json:
+            print(f"{'*' * 36}\n* Waiting for client to connect... *\n{'*' * 36}", file=out, flush=True)
+        ctrl = accept(listener, None)
+    finally:
+        listener.close()
+    with ctrl:
+        params = welcome(ctrl, args.test)
+        session = Session(params, ctrl, is_client=False, out=out, json_out=args.json, device=args.device)
+        return session.run()
+
+
+def run_client(
+    params: PerfParams,
+    host: str,
+    port: int,
+    *,
+    bind: str | None,
+    device: str | None,
+    json_out: bool,
+    progress,  # type: ignore[no-untyped-def]
+    out: TextIO | None = None,
+) -> list[Row]:
+    """Connect to a server, run the session, print the rows.
+
+    Returns: the rows.
+    Raises: the run errors.
+    """
+    out = out or sys.stdout
+    with connect(host, port, CONNECT_TIMEOUT_S, source_ip=bind) as ctrl:
+        hello(ctrl, params)
+        session = Session(params, ctrl, is_client=True, out=out, json_out=json_out, device=device, progress=progress)
+        return session.run()
+
+
+def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | None = None) -> list[Row]:  # type: ignore[no-untyped-def]
+    """Run both sides on this host: daemons (unless baseline-only), a server child, this client.
+
+    Returns: the rows.
+    Raises: the run errors; every child is stopped by pid first.
+    """
+    daemons = local.LocalDaemons()
+    server = None
+    try:
+        if not params.baseline_only:
+            daemons.__enter__()
+        server, port = local.start_server(params.test, device=daemons.server_device)
+        rows = run_client(
+            params,
+            local.SERVER_IP,
+            port,
+            bind=local.CLIENT_IP,
+            device=daemons.client_device,
+            json_out=json_out,
+            progress=progress,
+            out=out,
+        )
+        status = local.wait_process(server, local.STOP_GRACE_S)
+        server = None
+        if status != 0:
+            raise local.LocalRunError(f"the server side exited with status {status}")
+        return rows
+    finally:
+        if server is not None:
+            local.stop_process(server)
+        daemons.close()
+
+
+def cmd_perf(args: argparse.Namespace) -> int:
+    """Run ``udpverbs perf``; returns the exit status."""
+    params = params_from_args(args)
+    if args.plot:
+        require_matplotlib()  # fail before a long sweep, not after it
+    if args.local:
+        rows = run_local(params, json_out=args.json, progress=_progress(args))
+    elif args.peer:
+        host, port = parse_peer(args.peer, args.port)
+        rows = run_client(
+            params, host, port, bind=args.bind, device=args.device, json_out=args.json, progress=_progress(args)
+        )
+    else:
+        rows = run_server(args)
+    if args.plot:
+        plot_rows(rows, args.plot, title=f"udpverbs {params.test}")
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run ``udpverbs demo``; returns the exit status."""
+    rows: list[Row] = []
+    for test in ("write_lat", "write_bw"):
+        params = PerfParams(
+            test=test, all_sizes=True, baseline="raw-udp", max_size=args.max_size, max_volume=DEMO_VOLUME_BYTES
+        ).validate()
+        print(f"\n== udpverbs perf {test} --local -a --baseline raw-udp", flush=True)
+        rows += run_local(params, json_out=args.json, progress=tty_progress(sys.stderr) if sys.stderr.isatty() else None)
+    try:
+        plot_rows(rows, args.plot, title="udpverbs demo: RDMA Write over udpverbs vs raw UDP")
+        print(f"\nplot written to {args.plot}")
+    except PlotUnavailable as e:
+        print(f"\nno plot: {e}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``udpverbs`` console script.
+
+    Takes: the arguments (default: sys.argv[1:]).
+    Returns: the exit status.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "perf":
+            return cmd_perf(args)
+        return cmd_demo(args)
+    except (UsageError, PlotUnavailable) as e:
+        print(f"udpverbs {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RUN_ERRORS as e:
+        print(f"udpverbs {args.command}: failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The udpverbs command line: parsing, validation and clear errors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from udpverbs import cli
+from udpverbs.bench.perf import ALL_SIZES, PerfParams, PerfUsageError
+
+
+def _params(*argv: str) -> PerfParams:
+    return cli.params_from_args(cli.build_parser().parse_args(["perf", *argv]))
+
+
+def test_defaults_follow_perftest() -> None:
+    lat = _params("write_lat")
+    assert lat.sizes() == [2] and lat.iterations_for(2) == 1000 and lat.depth() == 1
+    bw = _params("write_bw")
+    assert bw.sizes() == [65536] and bw.depth() == 128
+    assert _params("atomic_lat").sizes() == [8]
+
+
+def test_all_sizes_and_max_size() -> None:
+    assert _params("write_lat", "-a").sizes() == ALL_SIZES == [2**k for k in range(1, 24)]
+    assert _params("write_bw", "-a", "--max-size", "64k").sizes()[-1] == 65536
+
+
+def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
+    p = _params("write_bw", "-s", "8M")
+    assert p.iterations_for(8 << 20) == 16  # 128 MB per size
+    assert _params("write_bw", "-s", "8M", "-n", "7").iterations_for(8 << 20) == 7
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["write_lat", "-s", "8", "-a"], "-s and -a"),
+        (["write_lat", "-n", "10", "-D", "2"], "-n and -D"),
+        (["write_lat", "-n", "0"], "-n must be"),
+        (["write_lat", "-q", "2"], "one QP"),
+        (["write_lat", "-t", "4"], "-t applies"),
+        (["write_bw", "-m", "64"], "-m"),
+        (["atomic_bw", "-s", "64"], "atomic"),
+        (["write_bw", "-D", "0"], "-D"),
+        (["write_bw", "--baseline-only"], "--baseline"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["perf", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and fragment in err
+
+
+def test_unknown_test_is_rejected_by_the_parser() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["perf", "write_latency"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("10.0.0.2", ("10.0.0.2", 18515)), ("host:7000", ("host", 7000)), ("127.0.0.2:1", ("127.0.0.2", 1))],
+)
+def test_parse_peer(text: str, expected: tuple[str, int]) -> None:
+    assert cli.parse_peer(text, 18515) == expected
+
+
+@pytest.mark.parametrize("text", [":80", "host:x", "host:70000"])
+def test_parse_peer_errors(text: str) -> None:
+    with pytest.raises(cli.UsageError):
+        cli.parse_peer(text, 18515)
+
+
+def test_params_from_the_wire_are_checked() -> None:
+    good = _params("write_bw", "-s", "4096").to_wire()
+    assert PerfParams.from_wire(good) == _params("write_bw", "-s", "4096")
+    for bad in ({**good, "size": "4096"}, {**good, "evil": 1}, {**good, "size": -1}, [1], {"size": 2}):
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    assert cli.main(["perf", "write_lat", "--plot", "x.png", "--peer", "127.0.0.1:1"]) == 2
+    assert "pip install 'udpverbs[plot]'" in capsys.readouterr().err
+
+
+def test_unreachable_server_fails_with_status_1(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    # a port nobody listens on: bind one, do not listen
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        rc = cli.main(["perf", "write_lat", "--peer", f"127.0.0.1:{port}", "--baseline", "raw-udp", "--baseline-only"])
+    assert rc == 1
+    assert "cannot reach the server" in capsys.readouterr().err

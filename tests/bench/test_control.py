@@ -1,0 +1,126 @@
+"""The control connection: framing, the parameter handshake, a whole session in two threads."""
+
+from __future__ import annotations
+
+import io
+import socket
+import struct
+import threading
+from typing import Any, Callable
+
+import pytest
+
+from udpverbs.bench.control import ControlChannel, ControlError, accept, connect, listen
+from udpverbs.bench.perf import PerfParams, Session, hello, welcome
+
+
+def _pair() -> tuple[ControlChannel, ControlChannel]:
+    listener = listen("127.0.0.1", 0)
+    try:
+        client = connect("127.0.0.1", listener.getsockname()[1], 5.0)
+        server = accept(listener, 5.0)
+    finally:
+        listener.close()
+    return server, client
+
+
+class _Thread(threading.Thread):
+    """Runs a function and keeps its result or exception for the test to check."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # handed to the test thread
+            self.error = e
+
+
+def test_frames_round_trip_and_exchange_is_a_barrier() -> None:
+    server, client = _pair()
+    with server, client:
+        client.send({"op": "x", "n": [1, 2]})
+        assert server.recv(5.0) == {"op": "x", "n": [1, 2]}
+        t = _Thread(lambda: server.exchange({"op": "step", "side": "s"}, 5.0))
+        t.start()
+        assert client.exchange({"op": "step", "side": "c"}, 5.0)["side"] == "s"
+        t.join(5.0)
+        assert t.error is None and t.result["side"] == "c"
+
+
+def test_malformed_frames_raise_control_error() -> None:
+    server, client = _pair()
+    with server, client:
+        client.sock.sendall(struct.pack("!I", 5) + b"nope!")
+        with pytest.raises(ControlError, match="not JSON"):
+            server.recv(5.0)
+        client.sock.sendall(struct.pack("!I", 2) + b"[]")
+        with pytest.raises(ControlError, match="not a JSON object"):
+            server.recv(5.0)
+        client.sock.sendall(struct.pack("!I", 1 << 30))
+        with pytest.raises(ControlError, match="exceeds"):
+            server.recv(5.0)
+
+
+def test_silence_and_close_raise_control_error() -> None:
+    server, client = _pair()
+    with server:
+        with pytest.raises(ControlError, match="silent"):
+            server.recv(0.05)
+        client.close()
+        with pytest.raises(ControlError, match="closed"):
+            server.recv(5.0)
+
+
+def test_expect_reports_the_peers_error_and_wrong_steps() -> None:
+    server, client = _pair()
+    with server, client:
+        client.send({"op": "error", "message": "no daemon"})
+        with pytest.raises(ControlError, match="no daemon"):
+            server.expect("udp", 5.0)
+        client.send({"op": "bye"})
+        with pytest.raises(ControlError, match="expected 'udp'"):
+            server.expect("udp", 5.0)
+
+
+def test_handshake_agrees_on_the_clients_parameters() -> None:
+    server, client = _pair()
+    params = PerfParams(test="write_bw", size=4096, iters=10, baseline="raw-udp").validate()
+    with server, client:
+        t = _Thread(lambda: welcome(server, "write_bw", 5.0))
+        t.start()
+        hello(client, params)
+        t.join(5.0)
+        assert t.error is None and t.result == params
+
+
+def test_handshake_refuses_another_test_on_both_sides() -> None:
+    server, client = _pair()
+    with server, client:
+        t = _Thread(lambda: welcome(server, "read_lat", 5.0))
+        t.start()
+        with pytest.raises(ControlError, match="started for read_lat"):
+            hello(client, PerfParams(test="write_lat").validate())
+        t.join(5.0)
+        assert isinstance(t.error, ControlError)
+
+
+def test_baseline_session_in_two_threads_prints_the_same_rows_on_both_sides() -> None:
+    params = PerfParams(test="write_lat", size=3000, iters=20, mtu=1500, baseline="raw-udp", baseline_only=True).validate()
+    server, client = _pair()
+    out_s, out_c = io.StringIO(), io.StringIO()
+    with server, client:
+        t = _Thread(lambda: Session(params, server, is_client=False, out=out_s, json_out=True).run())
+        t.start()
+        rows = Session(params, client, is_client=True, out=out_c, json_out=True).run()
+        t.join(10.0)
+    assert t.error is None
+    assert rows == t.result and len(rows) == 1
+    assert out_s.getvalue() == out_c.getvalue()
+    base = rows[0].baseline
+    assert rows[0].ours is None and base is not None and base.iterations == 20
+    assert 0 < base.t_min_us <= base.t_typical_us <= base.t_max_us

@@ -1,0 +1,56 @@
+"""perftest-style table and JSON rows."""
+
+from __future__ import annotations
+
+import json
+
+from udpverbs.bench.report import BW_COLUMNS, LAT_COLUMNS, Row, columns, format_row, row_from_json, row_json
+from udpverbs.bench.stats import bandwidth_stats, latency_stats
+
+LAT_KEYS = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p999_us"}
+BW_KEYS = {"bw_peak_MBps", "bw_avg_MBps", "msg_rate_Mpps"}
+
+
+def _lat_row(with_baseline: bool) -> Row:
+    ours = latency_stats([40_000, 50_000, 60_000])
+    base = latency_stats([10_000, 20_000]) if with_baseline else None
+    return Row("write_lat", 2, ours, base)
+
+
+def test_latency_json_shape_and_ratio() -> None:
+    obj = json.loads(json.dumps(row_json(_lat_row(True))))
+    assert {"test", "bytes", "iterations", "transport", "baseline", "ratio"} | LAT_KEYS == set(obj)
+    assert (obj["test"], obj["bytes"], obj["iterations"], obj["transport"]) == ("write_lat", 2, 3, "udpverbs")
+    assert set(obj["baseline"]) == LAT_KEYS | {"name", "iterations"}
+    assert set(obj["ratio"]) == LAT_KEYS
+    assert obj["ratio"]["t_typical_us"] == 50.0 / 15.0
+    assert obj["t_typical_us"] == 50.0
+
+
+def test_bandwidth_json_without_baseline_has_no_ratio() -> None:
+    row = Row("write_bw", 65536, bandwidth_stats(65536, 0, [10**6, 2 * 10**6], 1))
+    obj = row_json(row)
+    assert {"test", "bytes", "iterations", "transport"} | BW_KEYS == set(obj)
+
+
+def test_baseline_only_row_names_the_baseline() -> None:
+    row = Row("write_bw", 4096, None, bandwidth_stats(4096, 0, [1000, 2000], 1))
+    obj = row_json(row)
+    assert obj["transport"] == "raw-udp" and "ratio" not in obj
+    assert format_row(row)[0].endswith("(raw-udp)")
+
+
+def test_rows_survive_the_trip_to_the_server() -> None:
+    for row in (_lat_row(True), _lat_row(False), Row("read_bw", 8, None, bandwidth_stats(8, 0, [5, 9], 1))):
+        assert row_from_json(json.loads(json.dumps(row_json(row)))) == row
+
+
+def test_table_lines_follow_perftest_columns() -> None:
+    assert columns(True, False) == LAT_COLUMNS
+    assert columns(False, True) == BW_COLUMNS + "   ratio"
+    lines = format_row(_lat_row(True))
+    assert len(lines) == 2
+    ours = lines[0].split()
+    # bytes, iterations, 7 figures, ratio
+    assert ours[:2] == ["2", "3"] and len(ours) == 10 and ours[-1] == "3.33x"
+    assert lines[1].split()[-1] == "(raw-udp)"
