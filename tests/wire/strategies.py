@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import construct as c
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -130,3 +131,15 @@ def assert_flips_detected(data: bytes, decode: Callable[[bytes], Any], fields: C
         got = fields(value)
         changed = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
         assert len(changed) == 1, f"bit {bit}: fields {changed} changed ({want} -> {got})"
+
+
+def reference_parser(ref: c.Construct) -> Callable[[bytes], Any]:
+    """A decoder over the construct declaration alone, failing with WireError."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return ref.parse(data)
+        except (c.ConstructError, KeyError) as e:
+            raise WireError("reference", str(e)) from None
+
+    return parse

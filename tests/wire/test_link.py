@@ -1,0 +1,157 @@
+"""Link header (wire/link.py) and CRC32c (wire/crc.py)."""
+
+from __future__ import annotations
+
+import construct as c
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from udpverbs.wire import crc, link
+from udpverbs.wire.errors import WireError
+from udpverbs.wire.link import LinkFlags, LinkHeader, LinkInit, PacketType
+
+from .strategies import SETTINGS, mutated, outcome, u8, u16, u32, u64
+
+
+def test_crc32c_check_value() -> None:
+    # The standard CRC-32C check value (RFC 3720 appendix B.4 polynomial).
+    assert crc.crc32c(b"123456789") == 0xE3069283
+    assert crc.crc32c(b"") == 0
+
+
+HEADER = LinkHeader(PacketType.DATA, LinkFlags.ACK_NOW, 0, 0xDEADBEEF, 5, 3, 1000, 0, 64)
+# version 1 | DATA 1 | ACK_NOW 1 | path 0 | tag | seq 5 | ack 3 | ts 1000 |
+# echo 0 | rwnd 64 | sack count 0 | reserved 0
+HEADER_HEX = "01010100" "deadbeef" "00000005" "00000003" "000003e8" "00000000" "0040" "00" "00"
+
+
+def test_known_answer() -> None:
+    wire = link.encode(HEADER, b"hi")
+    head = bytes.fromhex(HEADER_HEX) + b"hi"
+    assert wire == head + crc.crc32c(head).to_bytes(4, "big")
+    assert len(bytes.fromhex(HEADER_HEX)) == link.HEADER_LEN == 28
+    h, body = link.decode_untrusted(wire)
+    assert h == HEADER and bytes(body) == b"hi"
+
+
+def test_known_answer_with_sack() -> None:
+    h = HEADER._replace(ptype=PacketType.ACK, sack=((7, 9), (12, 13)))
+    wire = link.encode(h)
+    head = bytes.fromhex(HEADER_HEX.replace("01010100", "01020100", 1)[:-4] + "0200")
+    head += bytes.fromhex("00000007" "00000009" "0000000c" "0000000d")
+    assert wire[:-4] == head
+    assert link.decode_untrusted(wire)[0] == h
+
+
+def test_init_known_answer() -> None:
+    init = LinkInit(0x01020304, 0x0A0B0C0D, 1472, 256, 0x1122334455667788)
+    wire = link.encode_init(init)
+    assert wire == bytes.fromhex("01020304" "0a0b0c0d" "05c0" "0100" "1122334455667788")
+    assert link.decode_init_untrusted(wire) == init
+    assert link.LINK_INIT.parse(wire) == init._asdict()
+
+
+sacks = st.lists(st.tuples(u32, u32), max_size=link.MAX_SACK_BLOCKS).map(tuple)
+headers = st.builds(
+    LinkHeader, st.sampled_from(sorted(PacketType)), u8, u8, u32, u32, u32, u32, u32, u16, sacks
+)
+
+
+@SETTINGS
+@given(headers, st.binary(max_size=64))
+def test_round_trips_and_reference_agreement(h: LinkHeader, body: bytes) -> None:
+    wire = link.encode(h, body)
+    got, view = link.decode_untrusted(wire)
+    assert got == h and bytes(view) == body
+    assert link.encode(got, view) == wire
+    ref = link.LINK_HEADER.build(
+        dict(
+            ptype=h.ptype, flags=h.flags, path_id=h.path_id, conn_tag=h.conn_tag, seq=h.seq, ack=h.ack,
+            ts_us=h.ts_us, ts_echo_us=h.ts_echo_us, rwnd=h.rwnd, sack_count=len(h.sack),
+            sack=[dict(start=s, end=e) for s, e in h.sack],
+        )
+    )
+    assert wire[: len(ref)] == ref
+
+
+def _reference_decode(data: bytes) -> tuple[LinkHeader, bytes]:
+    """Link decode on construct alone (CRC checked with the same crc32c)."""
+    try:
+        if len(data) < 4 or crc.crc32c(data[:-4]) != int.from_bytes(data[-4:], "big"):
+            raise WireError("bad_crc")
+        p = link.LINK_HEADER.parse(data[:-4])
+        if not 1 <= p.ptype <= max(PacketType) or p.sack_count > link.MAX_SACK_BLOCKS:
+            raise WireError("reference")
+    except c.ConstructError as e:
+        raise WireError("reference", str(e)) from None
+    size = link.HEADER_LEN + 8 * p.sack_count
+    sack = tuple((s.start, s.end) for s in p.sack)
+    h = LinkHeader(p.ptype, p.flags, p.path_id, p.conn_tag, p.seq, p.ack, p.ts_us, p.ts_echo_us, p.rwnd, sack)
+    return h, data[size:-4]
+
+
+def _fix_crc(data: bytes) -> bytes:
+    """Give mutated bytes a valid CRC, so the checks behind the CRC are exercised."""
+    return data[:-4] + crc.crc32c(data[:-4]).to_bytes(4, "big") if len(data) >= 4 else data
+
+
+def _fast(data: bytes) -> tuple[LinkHeader, bytes]:
+    h, view = link.decode_untrusted(data)
+    return h, bytes(view)
+
+
+@SETTINGS
+@given(st.one_of(st.binary(max_size=80), mutated(st.builds(link.encode, headers, st.binary(max_size=16))).map(_fix_crc)))
+def test_fast_decoder_agrees_with_construct(data: bytes) -> None:
+    fast, ref = outcome(_fast, data), outcome(_reference_decode, data)
+    assert fast[0] == ref[0], (fast, ref)
+    if fast[0] == "ok":
+        assert fast == ref
+
+
+@pytest.mark.parametrize(
+    ("index", "value", "reason"),
+    [(0, 2, "bad_version"), (1, 0, "bad_ptype"), (1, 7, "bad_ptype"), (27, 1, "bad_reserved"), (26, 5, "bad_sack"),
+     (26, 1, "bad_sack")],
+)
+def test_malformed_reason(index: int, value: int, reason: str) -> None:
+    wire = bytearray(link.encode(HEADER))
+    wire[index] = value
+    with pytest.raises(WireError) as e:
+        link.decode_untrusted(_fix_crc(bytes(wire)))
+    assert e.value.reason == reason
+
+
+def test_truncated_at_every_length() -> None:
+    wire = link.encode(HEADER)
+    for n in range(len(wire)):
+        with pytest.raises(WireError) as e:
+            link.decode_untrusted(wire[:n])
+        assert e.value.reason in ("truncated", "bad_crc")
+
+
+def test_every_single_bit_flip_fails_the_crc() -> None:
+    wire = link.encode(HEADER._replace(sack=((1, 2),)), b"payload")
+    for bit in range(8 * len(wire)):
+        flipped = bytearray(wire)
+        flipped[bit // 8] ^= 0x80 >> (bit % 8)
+        with pytest.raises(WireError) as e:
+            link.decode_untrusted(bytes(flipped))
+        assert e.value.reason == "bad_crc"
+
+
+@SETTINGS
+@given(st.binary(max_size=100))
+def test_arbitrary_bytes_raise_only_wire_error(data: bytes) -> None:
+    outcome(link.decode_untrusted, data)
+    outcome(link.decode_init_untrusted, data)
+    outcome(link.decode_untrusted, _fix_crc(data))
+
+
+@SETTINGS
+@given(st.builds(LinkInit, u32, u32, u16, u16, u64))
+def test_init_round_trip(init: LinkInit) -> None:
+    wire = link.encode_init(init)
+    assert link.decode_init_untrusted(wire) == init
+    assert link.LINK_INIT.build(init._asdict()) == wire
