@@ -112,4 +112,5 @@ def decode_untrusted(data: bytes | bytearray | memoryview) -> tuple[Envelope, me
         raise WireError("bad_kind", str(kind))
     if w1 >> 24:
         raise WireError("bad_reserved", "envelope")
-    return Envelope(kind, w0 & MAX_QPN, w1 & MAX_QPN), memoryview(data)[ENVELOPE_LEN:]
+    # tuple.__new__ skips the NamedTuple's Python-level __new__ (per datagram).
+    return tuple.__new__(Envelope, (kind, w0 & MAX_QPN, w1 & MAX_QPN)), memoryview(data)[ENVELOPE_LEN:]

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import construct as c
 
-from .crc import CRC_LEN, _crc32c
+from .crc import _CRC, CRC_LEN, _crc32c
 from .errors import WireError
 
 LINK_VERSION = 1
@@ -94,6 +94,7 @@ _SACK = struct.Struct("!II")
 _INIT = struct.Struct("!IIHHQ")
 _PTYPE_MAX = max(PacketType)
 _U32 = 0xFFFFFFFF
+_TN = tuple.__new__
 
 
 class LinkHeader(NamedTuple):
@@ -125,21 +126,29 @@ class LinkInit(NamedTuple):
 
 
 def encode(h: LinkHeader, body: bytes | bytearray | memoryview = b"") -> bytes:
-    """Build a complete link packet: header, SACK blocks, body and CRC32c."""
-    n = len(h.sack)
+    """Build a complete link packet: header, SACK blocks, body and CRC32c.
+
+    The body is copied once (by the final join); the CRC runs over header and
+    body in two steps instead of over a concatenated copy.
+
+    Raises:
+        ValueError: more than ``MAX_SACK_BLOCKS`` SACK blocks, or a field out
+            of range (a caller bug).
+    """
+    sack = h.sack
+    n = len(sack)
     if n > MAX_SACK_BLOCKS:
         raise ValueError(f"at most {MAX_SACK_BLOCKS} SACK blocks, got {n}")
-    buf = bytearray(
-        _HDR.pack(
+    try:
+        head = _HDR.pack(
             LINK_VERSION, h.ptype, h.flags, h.path_id, h.conn_tag, h.seq, h.ack,
             h.ts_us, h.ts_echo_us, h.rwnd, n, 0,
         )
-    )
-    for start, end in h.sack:
-        buf += _SACK.pack(start, end)
-    buf += body
-    buf += _crc32c(buf).to_bytes(4, "big")
-    return bytes(buf)
+        if n:
+            head += b"".join([_SACK.pack(start, end) for start, end in sack])
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return b"".join((head, body, _CRC.pack(_crc32c(body, _crc32c(head)))))
 
 
 def decode_untrusted(datagram: bytes | bytearray | memoryview) -> tuple[LinkHeader, memoryview]:
@@ -152,11 +161,11 @@ def decode_untrusted(datagram: bytes | bytearray | memoryview) -> tuple[LinkHead
             ``bad_sack`` or ``bad_reserved``; never anything else.
     """
     n = len(datagram)
-    if n < HEADER_LEN + CRC_LEN:
+    if n < OVERHEAD:
         raise WireError("truncated", f"{n} bytes")
-    view = memoryview(datagram)
+    view = datagram if type(datagram) is memoryview else memoryview(datagram)
     end = n - CRC_LEN
-    if _crc32c(view[:end]) != int.from_bytes(view[end:], "big"):
+    if _crc32c(view[:end]) != _CRC.unpack_from(view, end)[0]:
         raise WireError("bad_crc")
     (version, ptype, flags, path_id, tag, seq, ack, ts, echo, rwnd, nsack,
      reserved) = _HDR.unpack_from(view)
@@ -173,10 +182,8 @@ def decode_untrusted(datagram: bytes | bytearray | memoryview) -> tuple[LinkHead
             raise WireError("bad_sack", f"{nsack} blocks")
         sack = tuple(_SACK.unpack_from(view, off + 8 * i) for i in range(nsack))
         off += 8 * nsack
-    return (
-        LinkHeader(ptype, flags, path_id, tag, seq, ack, ts, echo, rwnd, sack),
-        view[off:end],
-    )
+    # tuple.__new__ skips the NamedTuple's Python-level __new__ (per datagram).
+    return _TN(LinkHeader, (ptype, flags, path_id, tag, seq, ack, ts, echo, rwnd, sack)), view[off:end]
 
 
 def encode_init(init: LinkInit) -> bytes:

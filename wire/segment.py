@@ -27,10 +27,14 @@ TAGGED_PREFIX_LEN = ENVELOPE_LEN + rdmap.ddp.TAGGED_HEADER_LEN  # 22
 #: envelope + untagged DDP header
 UNTAGGED_PREFIX_LEN = ENVELOPE_LEN + rdmap.ddp.UNTAGGED_HEADER_LEN  # 26
 
-_ENV = struct.Struct("!II")
-_ENV_TAGGED = struct.Struct("!IIBBIQ")
-_KIND_DDP_WORD = Kind.DDP << 24
-_KIND_MAX = max(Kind)
+_ENV_TAGGED = struct.Struct("!IIBBIQ")  # envelope words, then RFC 5041 §6.2
+_ENV_UNTAGGED = struct.Struct("!IIBBIIII")  # envelope words, then RFC 5041 §6.3
+assert _ENV_TAGGED.size == TAGGED_PREFIX_LEN and _ENV_UNTAGGED.size == UNTAGGED_PREFIX_LEN
+_DDP = int(Kind.DDP)
+_DDP_WORD = _DDP << 24
+_TN = tuple.__new__  # see rdmap._TN
+_CLASSIFY = rdmap._CLASSIFY
+_REASONS = rdmap._REASONS
 
 
 def decode_untrusted(
@@ -45,32 +49,32 @@ def decode_untrusted(
 
     Raises:
         WireError: any reason of ``envelope.decode_untrusted`` or
-            ``rdmap.decode_untrusted``; nothing else.
+            ``rdmap.decode_untrusted``, for the same inputs; nothing else.
     """
-    n = len(body)
-    if n >= TAGGED_PREFIX_LEN and body[0] == Kind.DDP and body[ENVELOPE_LEN] & 0x80:
-        # Common case (RDMA Write / Read Response data): one unpack.
+    if len(body) >= TAGGED_PREFIX_LEN and body[0] == _DDP and body[ENVELOPE_LEN] & 0x80:
+        # Common case (RDMA Write / Read Response data): one unpack, one lookup.
         w0, w1, ctrl, rctl, stag, to = _ENV_TAGGED.unpack_from(body)
         if w1 >> 24:
             raise WireError("bad_reserved", "envelope")
-        op = rdmap._CLASSIFY[(ctrl << 8) | rctl]
+        op = _CLASSIFY[(ctrl << 8) | rctl]
         if op < 0:
-            raise WireError(rdmap._REASONS[-op])
+            raise WireError(_REASONS[-op])
+        view = body if type(body) is memoryview else memoryview(body)
         return (
-            Envelope(Kind.DDP, w0 & MAX_QPN, w1 & MAX_QPN),
-            rdmap.TaggedHeader(op, ctrl & 0x40 != 0, stag, to),
-            memoryview(body)[TAGGED_PREFIX_LEN:],
+            _TN(Envelope, (_DDP, w0 & MAX_QPN, w1 & MAX_QPN)),
+            _TN(rdmap.TaggedHeader, (op, ctrl & 0x40 != 0, stag, to)),
+            view[TAGGED_PREFIX_LEN:],
         )
     env, rest = envelope.decode_untrusted(body)
-    if env.kind != Kind.DDP:
+    if env.kind != _DDP:
         return env, None, rest
     header, payload = rdmap.decode_untrusted(rest)
     return env, header, payload
 
 
-def _pack(buf: bytearray | memoryview, offset: int, dst_qpn: int, src_qpn: int, pack_header, *fields) -> int:  # type: ignore[no-untyped-def]
-    envelope.pack_into(buf, offset, Kind.DDP, dst_qpn, src_qpn)
-    return ENVELOPE_LEN + pack_header(buf, offset + ENVELOPE_LEN, *fields)  # type: ignore[no-any-return]
+def _check_qpns(dst_qpn: int, src_qpn: int) -> None:
+    if not (0 <= dst_qpn <= MAX_QPN and 0 <= src_qpn <= MAX_QPN):
+        raise ValueError(f"QPN out of range: dst={dst_qpn} src={src_qpn}")
 
 
 def pack_tagged_into(
@@ -81,7 +85,13 @@ def pack_tagged_into(
     Raises:
         ValueError: a QPN, the opcode or a field is out of range.
     """
-    return _pack(buf, offset, dst_qpn, src_qpn, rdmap.pack_tagged_into, opcode, last, stag, to)
+    _check_qpns(dst_qpn, src_qpn)
+    ctrl, rctl = rdmap.tagged_control(opcode, last)
+    try:
+        _ENV_TAGGED.pack_into(buf, offset, _DDP_WORD | dst_qpn, src_qpn, ctrl, rctl, stag, to)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return TAGGED_PREFIX_LEN
 
 
 def pack_untagged_into(
@@ -100,7 +110,13 @@ def pack_untagged_into(
     Raises:
         ValueError: as ``rdmap.pack_untagged_into``, or a QPN out of range.
     """
-    return _pack(buf, offset, dst_qpn, src_qpn, rdmap.pack_untagged_into, opcode, last, msn, mo, inv_stag)
+    _check_qpns(dst_qpn, src_qpn)
+    ctrl, rctl, qn = rdmap.untagged_control(opcode, last, inv_stag)
+    try:
+        _ENV_UNTAGGED.pack_into(buf, offset, _DDP_WORD | dst_qpn, src_qpn, ctrl, rctl, inv_stag, qn, msn, mo)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return UNTAGGED_PREFIX_LEN
 
 
 def encode(dst_qpn: int, src_qpn: int, segment: bytes | bytearray | memoryview) -> bytes:
