@@ -1,0 +1,81 @@
+"""``udpverbsd`` / ``python -m udpverbs.daemon``: run one emulated RNIC in the foreground.
+
+Theory of operation
+-------------------
+Parse flags and TOML (``config.py``), bind the UDP socket and the control
+socket (refusing clearly if another daemon holds either), then run one trio
+nursery holding the control server, the data-path loop and a signal
+watcher; SIGINT/SIGTERM cancel the nursery and every resource is released
+(links send ABORT, client sessions are torn down, the socket file removed).
+One log line says what was bound; ``--ready-fd`` lets a supervisor or a test
+wait for readiness without sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import trio
+
+from . import config as dconfig
+from .cm import ConnectionManager
+from .control import check_socket_free, serve_control
+from .device import Device, DeviceConfig
+
+log = logging.getLogger("udpverbs.daemon")
+
+
+async def run(cfg: dict[str, Any]) -> None:
+    """Serve until SIGINT/SIGTERM.  Raises OSError when the port or socket is taken."""
+    path = cfg["socket"]
+    dconfig.make_runtime_dir(os.path.dirname(path) or ".")
+    check_socket_free(path)
+    device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
+                                 spin_us=float(cfg["spin_us"]), seed=cfg["seed"]))
+    try:
+        try:
+            ip, port = device.bind()
+        except OSError as e:
+            raise OSError(e.errno, f"cannot bind UDP {cfg['addr']}:{cfg['port']}: {e.strerror}"
+                          " (another udpverbs daemon on this port?)") from None
+        ConnectionManager(device)
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                await nursery.start(serve_control, device, path)
+                await nursery.start(device.run_data_path)
+                log.info("udpverbsd %s: udp %s:%d, control %s, mtu %d, pid %d",
+                         cfg["name"], ip, port, path, cfg["mtu"], os.getpid())
+                if cfg.get("ready_fd") is not None:
+                    os.write(cfg["ready_fd"], f"ready {ip} {port} {path}\n".encode())
+                    os.close(cfg["ready_fd"])
+                async for signum in signals:
+                    log.info("signal %s: shutting down", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        device.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    try:
+        cfg = dconfig.load(argv)
+    except (ValueError, OSError) as e:
+        print(f"udpverbsd: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=str(cfg["log_level"]).upper(), stream=sys.stderr,
+                        format="%(asctime)s udpverbsd[%(process)d] %(levelname)s %(message)s")
+    try:
+        trio.run(run, cfg)
+    except OSError as e:
+        log.error("%s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Where a daemon lives and how it is configured: runtime dir, flags, TOML.
+
+Theory of operation
+-------------------
+Applications find their daemon through the file system: the control socket
+of device ``NAME`` is ``<runtime dir>/NAME.sock``, where the runtime dir is
+``$UDPVERBS_RUNTIME_DIR`` if set (tests point it at a temporary directory),
+else ``$XDG_RUNTIME_DIR/udpverbs``, else ``/tmp/udpverbs-<uid>``; it is
+created mode 0700 and the socket is 0600, so only the user reaches it.
+The naming rule lives in ``wire/ctl.py`` so the daemon and the verbs
+library share one definition.
+
+Precedence: built-in defaults < TOML file (``--config``) < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from typing import Any
+
+from ..wire import ctl
+
+DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
+DEFAULT_MTU = 1472  #: UDP payload of a 1500-byte Ethernet MTU
+DEFAULT_NAME = "uv0"
+
+
+runtime_dir = ctl.runtime_dir
+socket_path = ctl.socket_path
+
+
+def make_runtime_dir(path: str) -> None:
+    """Create the runtime dir 0700 (or check an existing one is ours and private).
+
+    Raises:
+        PermissionError: the directory belongs to someone else.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to us")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="udpverbsd", description="udpverbs daemon: an emulated iWARP RNIC over UDP")
+    p.add_argument("--config", help="TOML file with the same keys as the long flags (e.g. port = 18515)")
+    p.add_argument("--name", help=f"device name (default {DEFAULT_NAME})")
+    p.add_argument("--addr", help="IPv4 address to bind the UDP socket to (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help=f"UDP port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--socket", help="control socket path (default <runtime dir>/<name>.sock)")
+    p.add_argument("--mtu", type=int, help=f"UDP payload bytes per datagram (default {DEFAULT_MTU})")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    p.add_argument("--spin-us", type=float, help="idle spin before sleeping, microseconds (default 200)")
+    p.add_argument("--seed", type=int, help="seed of the daemon's random numbers (tags, ISNs)")
+    p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
+    return p
+
+
+_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed")
+
+
+def load(argv: list[str] | None = None) -> dict[str, Any]:
+    """Merge defaults, the TOML file and flags into one dict.
+
+    Raises:
+        SystemExit: bad flags (argparse); ValueError: bad TOML keys or values.
+    """
+    args = parser().parse_args(argv)
+    cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
+                           "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None}
+    if args.config:
+        with open(args.config, "rb") as f:
+            data = tomllib.load(f)
+        for k, v in data.items():
+            key = k.replace("-", "_")
+            if key not in _KEYS:
+                raise ValueError(f"{args.config}: unknown key {k!r}")
+            cfg[key] = v
+    for k in _KEYS:
+        v = getattr(args, k)
+        if v is not None:
+            cfg[k] = v
+    if not 576 - 28 <= int(cfg["mtu"]) <= 65507:
+        raise ValueError(f"mtu {cfg['mtu']} out of range 548..65507")
+    cfg["ready_fd"] = args.ready_fd
+    if cfg["socket"] is None:
+        cfg["socket"] = socket_path(cfg["name"])
+    return cfg

@@ -1,0 +1,539 @@
+"""The control server: one session per verbs-library connection on the unix socket.
+
+Theory of operation
+-------------------
+``serve_control`` binds the SOCK_SEQPACKET socket (mode 0600, in the per-user
+runtime directory), calls ``task_status.started()`` once it accepts
+connections, and runs one ``Session`` task per client.  A session parses
+each request with ``wire.ctl.decode_request_untrusted``, runs the handler
+and sends exactly one reply; file descriptors (memfd segments, eventfds)
+travel as SCM_RIGHTS.  A handler refuses with ``TableError(errno)`` (a typed
+error reply to the caller); anything else it raises is a daemon bug: logged,
+and the session — only that one — is torn down, the daemon keeps serving.
+
+A session owns what it created.  On disconnect (the application exited or
+crashed) everything is destroyed children first: QPs (to ERR, peers told),
+CQs, channels, MRs (STags invalidated, so a late segment cannot land in a
+dead mapping), PDs.  The connection manager may use a second connection of
+the same process (same pid by SO_PEERCRED) to act on that process's QPs, so
+a blocking listen does not stall the first connection's verbs.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import logging
+import os
+import socket
+import struct
+from typing import Any
+
+import trio
+
+from ..wire import ctl, shm
+from ..wire.ctl import Op
+from ..wire.errors import WireError
+from ..wire.shm import AccessFlags, QPAttrMask as M, QPState as S, QPType
+from . import tables
+from .device import Device
+from .qp import CompChannel, CompletionQueue, QueuePair
+from .tables import TableError
+
+log = logging.getLogger("udpverbs.daemon")
+
+MAX_SGE = shm.MAX_SGE
+MAX_INLINE = shm.MAX_INLINE
+MAX_MR_SIZE = 1 << 40
+
+
+class Session:
+    """One client connection and the resources it owns."""
+
+    def __init__(self, device: Device, conn: trio.socket.SocketType, pid: int) -> None:
+        self.device = device
+        self.conn = conn
+        self.pid = pid
+        self.closed = False
+        self.ctx_fd, self.ctx_mm = shm.new_segment(shm.CtxLayout.size, "uv-ctx")
+        self._page_buf = shm.ffi.from_buffer(self.ctx_mm)
+        self.page = shm.ffi.cast("struct uv_ctx_page *", self._page_buf)
+        self.async_ring = shm.Ring(self.ctx_mm, shm.CtxLayout.async_offset, "struct uv_async_event",
+                                   shm.ASYNC_RING_ENTRIES, init=True)
+        self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.async_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.hello = False
+        self.pds: set[int] = set()
+        self.mrs: set[int] = set()
+        self.cqs: set[int] = set()
+        self.channels: set[int] = set()
+        self.qps: set[int] = set()
+        self.listeners: set[int] = set()
+
+    # -- helpers the data path calls ---------------------------------------------
+    def set_need_wakeup(self, v: int) -> None:
+        self.page.need_wakeup = v
+
+    def async_event(self, event_type: int, element: int) -> None:
+        """Queue an async event (QP fatal, CQ error, ...) and wake ctx.get_async_event."""
+        r = self.async_ring
+        try:
+            if not r.free():
+                return  # the app does not read its events; drop rather than block
+        except shm.RingError:
+            return
+        e = r.next_slot()
+        e.event_type = event_type
+        e.element = element
+        r.push()
+        r.publish()
+        try:
+            os.eventfd_write(self.async_fd, 1)
+        except OSError:
+            pass
+
+    # -- ownership ----------------------------------------------------------------
+    def _qp(self, qpn: int) -> QueuePair:
+        qp = self.device.qps.get(qpn)
+        if qp is None or (qp.session is not self and qp.session.pid != self.pid):
+            raise TableError(errno.ENOENT, f"no QP {qpn}")
+        return qp
+
+    # -- handlers -------------------------------------------------------------------
+    def handle(self, op: Op, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        """Run one request; return (reply, fds to pass).  Raises TableError."""
+        if op != Op.HELLO and not self.hello:
+            raise TableError(errno.EPROTO, "HELLO first")
+        if fds and op != Op.REG_MR:
+            raise TableError(errno.EINVAL, "unexpected file descriptors")
+        fn = getattr(self, "op_" + op.name.lower(), None)
+        if fn is None:
+            raise TableError(errno.EOPNOTSUPP, f"{op.name} is not served here")
+        return fn(req, fds)  # type: ignore[no-any-return]
+
+    def op_hello(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        if req.version != ctl.CTL_VERSION:
+            raise TableError(errno.EPROTONOSUPPORT, f"control protocol {req.version}, daemon speaks {ctl.CTL_VERSION}")
+        self.hello = True
+        d = self.device
+        c = d.config
+        rep = ctl.encode_reply(
+            Op.HELLO, ctx_handle=id(self) & 0xFFFFFFFF, udp_port=c.port, link_mtu=c.mtu,
+            max_qp=c.max_qp, max_cq=c.max_cq, max_mr=c.max_mr, max_pd=c.max_pd, max_qp_wr=c.max_qp_wr,
+            max_cqe=c.max_cqe, max_sge=MAX_SGE, max_inline_data=MAX_INLINE, max_mr_size=MAX_MR_SIZE,
+            max_qp_rd_atom=c.max_qp_rd_atom, max_qp_init_rd_atom=c.max_qp_rd_atom,
+            async_entries=shm.ASYNC_RING_ENTRIES, node_guid=d.node_guid, gid=d.gid, data=c.name.encode(),
+        )
+        return rep, [self.ctx_fd, self.doorbell, self.async_fd]
+
+    def op_alloc_pd(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        pd = tables.ProtectionDomain(0, self)
+        h = pd.handle = self.device.pds.add(pd)
+        self.pds.add(h)
+        return ctl.encode_reply(Op.ALLOC_PD, pd_handle=h), []
+
+    def op_dealloc_pd(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        pd = self.device.pds.get(req.pd_handle, self)
+        if pd.mrs or pd.qps:
+            raise TableError(errno.EBUSY, "PD still has MRs or QPs")
+        self.device.pds.pop(pd.handle)
+        self.pds.discard(pd.handle)
+        return ctl.encode_reply(Op.DEALLOC_PD), []
+
+    def op_reg_mr(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        d = self.device
+        if len(fds) != 1:
+            raise TableError(errno.EINVAL, "REG_MR needs exactly one memfd")
+        pd = d.pds.get(req.pd_handle, self)
+        if req.length > MAX_MR_SIZE:
+            raise TableError(errno.EINVAL, "region too large")
+        if req.access & ~0x3F:
+            raise TableError(errno.EINVAL, f"unsupported access flags {req.access:#x}")
+        if req.access & (AccessFlags.IBV_ACCESS_REMOTE_WRITE | AccessFlags.IBV_ACCESS_REMOTE_ATOMIC) and \
+                not req.access & AccessFlags.IBV_ACCESS_LOCAL_WRITE:
+            # verbs: remote write/atomic require local write (ibv_reg_mr(3)).
+            raise TableError(errno.EINVAL, "REMOTE_WRITE needs LOCAL_WRITE")
+        try:
+            mm = shm.map_segment_untrusted(fds[0], shm.page_round(req.length))
+        except (OSError, ValueError) as e:
+            raise TableError(errno.EINVAL, f"cannot map the region: {e}") from None
+        mr = tables.MemoryRegion(0, pd, req.access, req.addr, req.length, mm)
+        try:
+            h = d.mrs.add(mr)
+            d.stags.register(mr)
+        except TableError:
+            mr.close()
+            raise
+        mr.handle = h
+        pd.mrs.add(h)
+        self.mrs.add(h)
+        return ctl.encode_reply(Op.REG_MR, mr_handle=h, lkey=mr.stag, rkey=mr.stag), []
+
+    def op_dereg_mr(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        mr = self.device.mrs.get(req.mr_handle)
+        if mr.pd.session is not self:
+            raise TableError(errno.ENOENT, "no such MR")
+        self._dereg(mr)
+        return ctl.encode_reply(Op.DEREG_MR), []
+
+    def _dereg(self, mr: tables.MemoryRegion) -> None:
+        d = self.device
+        d.stags.invalidate(mr.stag)
+        d.mrs.pop(mr.handle)
+        mr.pd.mrs.discard(mr.handle)
+        self.mrs.discard(mr.handle)
+        # A Read Response still being sent from this region keeps its view; the
+        # mapping is unmapped when that ends (MemoryRegion.close tolerates it).
+        for qp in d.qps.values():
+            for r in qp.irrq:
+                if r.view.obj is mr.mm:
+                    qp.fatal("source region of a Read was deregistered")
+                    break
+        mr.close()
+
+    def op_create_comp_channel(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        ch = CompChannel(0, self)
+        ch.handle = self.device.channels.add(ch)
+        self.channels.add(ch.handle)
+        return ctl.encode_reply(Op.CREATE_COMP_CHANNEL, channel_handle=ch.handle), [ch.eventfd]
+
+    def op_destroy_comp_channel(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        ch = self.device.channels.get(req.channel_handle, self)
+        if ch.cqs:
+            raise TableError(errno.EBUSY, "channel still has CQs")
+        self.device.channels.pop(ch.handle)
+        self.channels.discard(ch.handle)
+        ch.close()
+        return ctl.encode_reply(Op.DESTROY_COMP_CHANNEL), []
+
+    def op_create_cq(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        d = self.device
+        if not 1 <= req.cqe <= d.config.max_cqe:
+            raise TableError(errno.EINVAL, f"cqe must be 1..{d.config.max_cqe}")
+        ch = d.channels.get(req.channel_handle, self) if req.channel_handle else None
+        cq = CompletionQueue(0, self, req.cqe, ch)
+        try:
+            cq.handle = d.cqs.add(cq)
+        except TableError:
+            cq.close()
+            raise
+        if ch is not None:
+            ch.cqs.add(cq.handle)
+        self.cqs.add(cq.handle)
+        return (ctl.encode_reply(Op.CREATE_CQ, cq_handle=cq.handle, cqe=cq.entries, entries=cq.entries),
+                [cq.fd, cq.eventfd])
+
+    def op_destroy_cq(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        cq = self.device.cqs.get(req.cq_handle, self)
+        if cq.users:
+            raise TableError(errno.EBUSY, "CQ still used by QPs")
+        self._destroy_cq(cq)
+        return ctl.encode_reply(Op.DESTROY_CQ), []
+
+    def _destroy_cq(self, cq: CompletionQueue) -> None:
+        self.device.cqs.pop(cq.handle)
+        self.cqs.discard(cq.handle)
+        if cq.channel is not None:
+            cq.channel.cqs.discard(cq.handle)
+        cq.close()
+
+    def op_create_qp(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        d = self.device
+        if req.qp_type != QPType.IBV_QPT_RC:
+            raise TableError(errno.EOPNOTSUPP, "only IBV_QPT_RC is implemented")
+        pd = d.pds.get(req.pd_handle, self)
+        scq = d.cqs.get(req.send_cq, self)
+        rcq = d.cqs.get(req.recv_cq, self)
+        c = d.config
+        if not (1 <= req.max_send_wr <= c.max_qp_wr and req.max_recv_wr <= c.max_qp_wr
+                and req.max_send_sge <= MAX_SGE and req.max_recv_sge <= MAX_SGE
+                and req.max_inline_data <= MAX_INLINE):
+            raise TableError(errno.EINVAL, "QP capabilities beyond the device limits")
+        caps = {
+            "max_send_wr": req.max_send_wr, "max_recv_wr": max(1, req.max_recv_wr),
+            "max_send_sge": max(1, req.max_send_sge), "max_recv_sge": max(1, req.max_recv_sge),
+            "max_inline_data": req.max_inline_data,
+        }
+        qpn = d.alloc_qpn()
+        qp = QueuePair(d, qpn, self, pd, scq, rcq, caps, bool(req.sq_sig_all))
+        d.qps[qpn] = qp
+        pd.qps.add(qpn)
+        scq.users += 1
+        rcq.users += 1
+        self.qps.add(qpn)
+        lay = qp.layout
+        rep = ctl.encode_reply(
+            Op.CREATE_QP, qp_num=qpn, max_send_wr=lay.sq_entries, max_recv_wr=lay.rq_entries,
+            max_send_sge=caps["max_send_sge"], max_recv_sge=caps["max_recv_sge"],
+            max_inline_data=caps["max_inline_data"], sq_entries=lay.sq_entries, rq_entries=lay.rq_entries,
+        )
+        return rep, [qp.fd]
+
+    def op_modify_qp(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        qp = self._qp(req.qp_num)
+        attrs = {f: getattr(req, f) for f in ctl.QP_ATTR_FIELDS}
+        modify_qp(qp, req.attr_mask, attrs)
+        return ctl.encode_reply(Op.MODIFY_QP), []
+
+    def op_query_qp(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        qp = self._qp(req.qp_num)
+        a = dict(qp.attrs)
+        a["qp_state"] = int(qp.state)
+        a["cur_qp_state"] = int(qp.state)
+        a["sq_draining"] = 0
+        caps = qp.caps
+        return ctl.encode_reply(
+            Op.QUERY_QP, **a, max_send_wr=qp.layout.sq_entries, max_recv_wr=qp.layout.rq_entries,
+            max_send_sge=caps["max_send_sge"], max_recv_sge=caps["max_recv_sge"],
+            max_inline_data=caps["max_inline_data"], sq_sig_all=int(qp.sq_sig_all),
+        ), []
+
+    def op_destroy_qp(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        qp = self._qp(req.qp_num)
+        self.destroy_qp(qp)
+        return ctl.encode_reply(Op.DESTROY_QP), []
+
+    def destroy_qp(self, qp: QueuePair) -> None:
+        d = self.device
+        if d.cm is not None:
+            d.cm.qp_destroyed(qp)
+        qp.state = S.IBV_QPS_RESET
+        d.detach_link(qp)
+        d.qps.pop(qp.qpn, None)
+        qp.pd.qps.discard(qp.qpn)
+        qp.send_cq.users -= 1
+        qp.recv_cq.users -= 1
+        qp.session.qps.discard(qp.qpn)
+        qp.close()
+
+    # CM operations live in the connection manager (cm.py); they may block.
+    async def handle_async(self, op: Op, req: Any) -> bytes | None:
+        if self.device.cm is None:
+            return None
+        return await self.device.cm.handle(self, op, req)  # type: ignore[no-any-return]
+
+    # -- lifetime -------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Destroy everything this session owns, children first.  Safe twice."""
+        if self.closed:
+            return
+        self.closed = True
+        d = self.device
+        d.sessions.discard(self)
+        d.remove_doorbell(self.doorbell)
+        if d.cm is not None:
+            d.cm.session_closed(self)
+        for qpn in list(self.qps):
+            qp = d.qps.get(qpn)
+            if qp is not None:
+                if d.cm is not None:
+                    d.cm.disconnect(qp)
+                self.destroy_qp(qp)
+        for h in list(self.cqs):
+            cq = d.cqs.find(h)
+            if cq is not None:
+                self._destroy_cq(cq)
+        for h in list(self.channels):
+            ch = d.channels.pop(h)
+            if ch is not None:
+                ch.close()
+        for h in list(self.mrs):
+            mr = d.mrs.find(h)
+            if mr is not None:
+                self._dereg(mr)
+        for h in list(self.pds):
+            d.pds.pop(h)
+        self.async_ring.release()
+        for fd in (self.ctx_fd, self.doorbell, self.async_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.page = shm.ffi.new("struct uv_ctx_page *")  # keep set_need_wakeup harmless
+        shm.ffi.release(self._page_buf)
+        try:
+            self.ctx_mm.close()
+        except BufferError:
+            pass
+
+
+def modify_qp(qp: QueuePair, attr_mask: int, attrs: dict[str, Any]) -> None:
+    """Apply a modify_qp (state machine + attributes).  Raises TableError; changes nothing then."""
+    d = qp.device
+    new = tables.check_transition(qp.state, attr_mask, attrs.get("qp_state", qp.state))
+    if attr_mask & M.IBV_QP_CUR_STATE and attrs["cur_qp_state"] != qp.state:
+        raise TableError(errno.EINVAL, "cur_qp_state does not match")
+    limit = d.config.max_qp_rd_atom
+    if attr_mask & M.IBV_QP_MAX_QP_RD_ATOMIC and attrs["max_rd_atomic"] > limit:
+        raise TableError(errno.EINVAL, f"max_rd_atomic above {limit}")
+    if attr_mask & M.IBV_QP_MAX_DEST_RD_ATOMIC and attrs["max_dest_rd_atomic"] > limit:
+        raise TableError(errno.EINVAL, f"max_dest_rd_atomic above {limit}")
+    if attr_mask & M.IBV_QP_PORT and attrs["port_num"] != 1:
+        raise TableError(errno.EINVAL, "the device has one port")
+    addr = None
+    if attr_mask & M.IBV_QP_AV:
+        # The address vector names the peer daemon: dgid = its IP (IPv4-mapped),
+        # dlid = its UDP port (iWARP has no LIDs; query_port().lid is our port).
+        try:
+            ip = ctl.ip_from_gid(attrs["dgid"])
+        except ValueError:
+            raise TableError(errno.EINVAL, "bad dgid") from None
+        if not 0 < attrs["dlid"] <= 0xFFFF or ip.startswith("::"):
+            raise TableError(errno.EINVAL, "ah_attr needs dgid (peer daemon IP) and dlid (its UDP port)")
+        addr = (ip, int(attrs["dlid"]))
+    if attr_mask & M.IBV_QP_DEST_QPN and not 0 < attrs["dest_qp_num"] < (1 << 24):
+        raise TableError(errno.EINVAL, "dest_qp_num out of range")
+    # Validated: apply.
+    for bit, names in _MASK_FIELDS:
+        if attr_mask & bit:
+            for n in names:
+                qp.attrs[n] = attrs[n]
+    if attr_mask & M.IBV_QP_DEST_QPN:
+        qp.dest_qpn = int(attrs["dest_qp_num"])
+    if addr is not None and new != S.IBV_QPS_ERR and new != S.IBV_QPS_RESET:
+        if qp.link is None or qp.link.addr != addr:
+            d.detach_link(qp)
+            d.attach_link(qp, addr)
+    if new != qp.state:
+        qp.set_state(new)
+    d.wake()
+
+
+_MASK_FIELDS = (
+    (M.IBV_QP_ACCESS_FLAGS, ("qp_access_flags",)),
+    (M.IBV_QP_PKEY_INDEX, ("pkey_index",)),
+    (M.IBV_QP_PORT, ("port_num",)),
+    (M.IBV_QP_AV, ("dgid", "dlid")),
+    (M.IBV_QP_PATH_MTU, ("path_mtu",)),
+    (M.IBV_QP_TIMEOUT, ("timeout",)),
+    (M.IBV_QP_RETRY_CNT, ("retry_cnt",)),
+    (M.IBV_QP_RNR_RETRY, ("rnr_retry",)),
+    (M.IBV_QP_RQ_PSN, ("rq_psn",)),
+    (M.IBV_QP_SQ_PSN, ("sq_psn",)),
+    (M.IBV_QP_MAX_QP_RD_ATOMIC, ("max_rd_atomic",)),
+    (M.IBV_QP_MAX_DEST_RD_ATOMIC, ("max_dest_rd_atomic",)),
+    (M.IBV_QP_MIN_RNR_TIMER, ("min_rnr_timer",)),
+    (M.IBV_QP_DEST_QPN, ("dest_qp_num",)),
+)
+
+
+def _peer_pid(conn: trio.socket.SocketType) -> int:
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", raw)
+    except OSError:
+        return -1
+    return pid if uid == os.getuid() else -1
+
+
+async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
+    pid = _peer_pid(conn)
+    if pid < 0:
+        conn.close()
+        return
+    sess = Session(device, conn, pid)
+    device.sessions.add(sess)
+    device.add_doorbell(sess.doorbell)
+    try:
+        with conn:
+            while True:
+                data, anc, flags, _ = await conn.recvmsg(ctl.MAX_CTL_MESSAGE, socket.CMSG_SPACE(ctl.MAX_FDS * 4))
+                fds = _fds_from(anc)
+                if not data:
+                    for fd in fds:
+                        os.close(fd)
+                    break
+                reply, out_fds = await _serve_one(sess, data, fds, flags)
+                for fd in fds:  # the handlers keep what they need (mmap holds its own ref)
+                    os.close(fd)
+                anc_out = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))] if out_fds else []
+                await conn.sendmsg([reply], anc_out)
+    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        log.info("session pid %d ended: %s", pid, e)
+    except Exception:
+        log.exception("session pid %d failed; tearing it down", pid)
+    finally:
+        sess.teardown()
+        device.wake()
+
+
+async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> tuple[bytes, list[int]]:
+    try:
+        op, req = ctl.decode_request_untrusted(data)
+    except WireError as e:
+        op = _op_of(data)
+        return ctl.encode_error(op, errno.EINVAL, f"malformed request: {e}"), []
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        return ctl.encode_error(op, errno.EINVAL, "request or fds truncated"), []
+    try:
+        if op >= Op.CM_LISTEN:
+            if not sess.hello:
+                raise TableError(errno.EPROTO, "HELLO first")
+            rep = await sess.handle_async(op, req)
+            if rep is None:
+                raise TableError(errno.EOPNOTSUPP, "no connection manager")
+            return rep, []
+        return sess.handle(op, req, fds)
+    except TableError as e:
+        return ctl.encode_error(op, e.errno, str(e), getattr(e, "private_data", b"")), []
+
+
+def _op_of(data: bytes) -> Op:
+    try:
+        return Op(int.from_bytes(data[:2], "big"))
+    except ValueError:
+        return Op.HELLO
+
+
+def _fds_from(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, typ, payload in anc:
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+            fds.extend(a)
+    return fds
+
+
+def check_socket_free(path: str) -> None:
+    """Refuse to start if a daemon already serves ``path``; remove a stale socket.
+
+    Raises:
+        OSError: EADDRINUSE with a clear message when another daemon answers.
+    """
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a previous daemon died
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another udpverbs daemon is serving {path}")
+
+
+async def serve_control(device: Device, path: str, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Accept verbs-library connections on ``path`` until cancelled."""
+    check_socket_free(path)
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    old_umask = os.umask(0o177)  # the socket is born 0600
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                conn, _ = await sock.accept()
+                nursery.start_soon(_session_task, device, conn)
+    finally:
+        sock.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

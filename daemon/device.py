@@ -1,0 +1,425 @@
+"""The emulated RNIC: tables, links to peer daemons, and the data-path loop.
+
+Theory of operation
+-------------------
+trio owns the daemon's tasks (control server, sessions, the connection
+manager), but the data path is **one tight loop** (``run_data_path``), because
+waking a trio task per event costs hundreds of microseconds (measured in
+``docs``/shared DESIGN).  Each pass of ``poll_once`` does, without awaiting:
+
+1. read every datagram waiting on the UDP socket and feed it to the peer's
+   ``transport.Link`` (a new INIT from an unknown address opens a passive link);
+2. dispatch every in-order message the links deliver: DDP segments to their
+   QP (``qp.py``), CM messages to the connection manager;
+3. fire link timers that are due, react to link events (a failed link fails
+   its QPs with IBV_WC_RETRY_EXC_ERR);
+4. let every QP queue segments (bounded by ``link.send_space()``), flush
+   queues of QPs in ERR, and retire WRs the link acknowledged;
+5. send what the links release (paced) on the socket.
+
+When a pass finds nothing to do the loop spins for at most ``spin_s`` (with
+``os.sched_yield``), then sets ``need_wakeup`` in every client's context page,
+looks once more, and sleeps in ``trio.lowlevel.wait_readable`` on one epoll
+fd that holds the UDP socket, every client's doorbell eventfd and an internal
+wake eventfd (for control-path changes), until the next link deadline.
+Applications write their doorbell only when they see ``need_wakeup``, so a
+busy daemon costs them no syscall (io_uring's SQ_NEED_WAKEUP).  A periodic
+rescan (``max_sleep_s``) bounds the cost of a doorbell lost to store/load
+reordering between the two processes.
+
+Time comes only from ``trio.current_time()``; randomness from one seeded
+``random.Random``.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import random
+import select
+import socket
+from typing import Any
+
+import trio
+
+from ..transport.link import Link, LinkConfig, LinkFailed, LinkUp
+from ..wire import ctl, envelope, segment
+from ..wire import link as wire_link
+from ..wire.envelope import Kind
+from ..wire.errors import WireError
+from ..wire.shm import EventType, QPState as S, WcStatus as W
+from . import tables
+from .qp import QueuePair
+
+log = logging.getLogger("udpverbs.daemon")
+
+MAX_LINKS = 1024
+_RX_BATCH = 512
+
+
+class PeerLink:
+    """One reliable link to one peer daemon, and the QPs that use it."""
+
+    __slots__ = ("device", "addr", "link", "qps", "up", "max_data", "failed_reason")
+
+    def __init__(self, device: "Device", addr: tuple[str, int], link: Link) -> None:
+        self.device = device
+        self.addr = addr
+        self.link = link
+        self.qps: set[QueuePair] = set()
+        self.up = True  # messages may be queued before the handshake ends
+        self.failed_reason = ""
+        # payload bytes per DDP segment: link body minus envelope + tagged header
+        self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
+
+    def send(self, message: bytes | bytearray) -> int:
+        """Queue one message on the link; return its message number."""
+        return self.link.send(message, self.device.now)
+
+
+class DeviceConfig:
+    """What a device is: name, UDP address, limits (filled from flags/TOML)."""
+
+    def __init__(self, *, name: str = "uv0", addr: str = "127.0.0.1", port: int = 18515,
+                 mtu: int = 1472, spin_us: float = 200.0, max_sleep_s: float = 0.05,
+                 max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
+                 max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
+                 seed: int | None = None) -> None:
+        self.name = name
+        self.addr = addr
+        self.port = port
+        self.mtu = mtu
+        self.spin_s = spin_us * 1e-6
+        self.max_sleep_s = max_sleep_s
+        self.max_qp = max_qp
+        self.max_cq = max_cq
+        self.max_mr = max_mr
+        self.max_pd = max_pd
+        self.max_qp_wr = max_qp_wr
+        self.max_cqe = max_cqe
+        self.max_qp_rd_atom = max_qp_rd_atom
+        self.seed = seed
+
+
+class Device:
+    """The RNIC: every table, the UDP socket, links, and the data-path loop."""
+
+    def __init__(self, config: DeviceConfig) -> None:
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.incarnation = self.rng.getrandbits(63) | 1
+        self.node_guid = self.rng.getrandbits(64)
+        self.link_config = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD)
+        self.stags = tables.STagTable()
+        self.pds = tables.Handles(config.max_pd)
+        self.mrs = tables.Handles(config.max_mr)
+        self.cqs = tables.Handles(config.max_cq)
+        self.channels = tables.Handles(config.max_cq)
+        self.qps: dict[int, QueuePair] = {}
+        self._next_qpn = 1
+        self.links: dict[tuple[str, int], PeerLink] = {}
+        self.sessions: set[Any] = set()
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.now = 0.0
+        self.sock: socket.socket | None = None
+        self.gid = ctl.gid_from_ip(config.addr)
+        self.epoll = select.epoll()
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.epoll.register(self.wake_fd, select.EPOLLIN)
+        self._doorbells: set[int] = set()
+        self.cm: Any = None  # set by the connection manager
+        self._sleeping = False
+
+    # -- setup ----------------------------------------------------------------
+    def bind(self) -> tuple[str, int]:
+        """Bind the UDP socket.  Raises OSError (EADDRINUSE: another daemon has it)."""
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.bind((self.config.addr, self.config.port))
+            s.setblocking(False)
+            for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+                except OSError:
+                    pass
+        except BaseException:
+            s.close()
+            raise
+        self.sock = s
+        self.config.port = s.getsockname()[1]
+        self.epoll.register(s.fileno(), select.EPOLLIN)
+        return s.getsockname()
+
+    def close(self) -> None:
+        """Tear everything down (links ABORT, sessions closed)."""
+        now = self.now
+        for pl in list(self.links.values()):
+            try:
+                pl.link.close(now)
+                self._flush_link(pl)
+            except Exception:  # closing must not fail on a broken link
+                pass
+        for sess in list(self.sessions):
+            sess.teardown()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.epoll.close()
+        os.close(self.wake_fd)
+
+    def wake(self) -> None:
+        """Make the data loop look again (after a control-path change)."""
+        if self._sleeping:
+            try:
+                os.eventfd_write(self.wake_fd, 1)
+            except OSError:
+                pass
+
+    def add_doorbell(self, fd: int) -> None:
+        self.epoll.register(fd, select.EPOLLIN)
+        self._doorbells.add(fd)
+
+    def remove_doorbell(self, fd: int) -> None:
+        if fd in self._doorbells:
+            self._doorbells.discard(fd)
+            try:
+                self.epoll.unregister(fd)
+            except OSError:
+                pass
+
+    # -- QPs and links ----------------------------------------------------------
+    def alloc_qpn(self) -> int:
+        """A free QPN (1 .. 2**24-1; 0 is the connection manager)."""
+        if len(self.qps) >= self.config.max_qp:
+            raise tables.TableError(errno.ENOMEM, "QP table full")
+        while True:
+            qpn = self._next_qpn
+            self._next_qpn = qpn % envelope.MAX_QPN + 1
+            if qpn not in self.qps:
+                return qpn
+
+    def get_link(self, addr: tuple[str, int]) -> PeerLink:
+        """The link to ``addr``, opened (active) if there is none."""
+        pl = self.links.get(addr)
+        if pl is None:
+            if len(self.links) >= MAX_LINKS:
+                raise tables.TableError(errno.ENOMEM, "too many peer links")
+            link = Link(self.link_config, rng=self.rng, incarnation=self.incarnation)
+            link.connect(self._time())
+            pl = PeerLink(self, addr, link)
+            self.links[addr] = pl
+            self.wake()
+        return pl
+
+    def attach_link(self, qp: QueuePair, addr: tuple[str, int]) -> None:
+        """Bind ``qp`` to the link to ``addr`` (at INIT -> RTR)."""
+        pl = self.get_link(addr)
+        qp.link = pl
+        pl.qps.add(qp)
+
+    def detach_link(self, qp: QueuePair) -> None:
+        if qp.link is not None:
+            qp.link.qps.discard(qp)
+            qp.link = None
+
+    def _time(self) -> float:
+        self.now = trio.current_time()
+        return self.now
+
+    # -- the data path ----------------------------------------------------------
+    def poll_once(self) -> bool:
+        """One pass over sockets, links and queues; True if anything happened."""
+        now = self._time()
+        progress = False
+        sock = self.sock
+        links = self.links
+        if sock is not None:
+            recv = sock.recvfrom
+            touched = set()
+            for _ in range(_RX_BATCH):
+                try:
+                    data, addr = recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:  # e.g. ICMP port unreachable reported on the socket
+                    self.stats["rx_oserror"] += 1
+                    continue
+                pl = links.get(addr)
+                if pl is None:
+                    pl = self._passive_link(addr, data)
+                    if pl is None:
+                        continue
+                pl.link.datagram_received(data, now)
+                touched.add(pl)
+            if touched:
+                progress = True
+                for pl in touched:
+                    for msg in pl.link.drain_received():
+                        self._dispatch(pl, msg)
+        for pl in list(links.values()):
+            link = pl.link
+            d = link.next_deadline()
+            if d is not None and d <= now:
+                link.timer_fired(now)
+            ev = link.next_event()
+            while ev is not None:
+                self._link_event(pl, ev)
+                progress = True
+                ev = link.next_event()
+        for qp in list(self.qps.values()):
+            state = qp.state
+            if state == S.IBV_QPS_ERR:
+                if qp.flush_rings():
+                    progress = True
+                continue
+            pl = qp.link
+            if pl is None:
+                continue
+            if qp.pump(64):
+                progress = True
+            if qp.outstanding and qp.complete_acked(pl.link.acked):
+                progress = True
+        for pl in list(links.values()):
+            if self._flush_link(pl):
+                progress = True
+        return progress
+
+    def _flush_link(self, pl: PeerLink) -> bool:
+        out = pl.link.datagrams_to_send(self.now)
+        if not out or self.sock is None:
+            return False
+        sendto = self.sock.sendto
+        addr = pl.addr
+        for d in out:
+            try:
+                sendto(d, addr)
+            except (BlockingIOError, InterruptedError):
+                self.stats["tx_dropped"] += 1  # the link retransmits it
+            except OSError:
+                self.stats["tx_oserror"] += 1
+        return True
+
+    def _passive_link(self, addr: tuple[str, int], data: bytes) -> PeerLink | None:
+        # Only an INIT opens a link: garbage from anywhere must not cost state.
+        try:
+            h, _ = wire_link.decode_untrusted(data)
+        except WireError:
+            self.stats["rx_garbage"] += 1
+            return None
+        if h.ptype != wire_link.PacketType.INIT or len(self.links) >= MAX_LINKS:
+            self.stats["rx_unknown_peer"] += 1
+            return None
+        pl = PeerLink(self, addr, Link(self.link_config, rng=self.rng, incarnation=self.incarnation))
+        self.links[addr] = pl
+        log.info("link from %s:%d", *addr)
+        return pl
+
+    def _dispatch(self, pl: PeerLink, msg: bytes) -> None:
+        """Route one delivered message.  Never raises: bad input is a counter."""
+        try:
+            env, hdr, payload = segment.decode_untrusted(msg)
+        except WireError as e:
+            self.stats["rx_" + e.reason] += 1
+            return
+        try:
+            if env.kind == Kind.DDP:
+                qp = self.qps.get(env.dst_qpn)
+                if qp is None or qp.link is not pl or qp.dest_qpn != env.src_qpn:
+                    self.stats["rx_no_qp"] += 1
+                    return
+                qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:])
+            elif env.kind == Kind.CM and self.cm is not None:
+                self.cm.on_message(pl, payload)
+            else:
+                self.stats["rx_unhandled_kind"] += 1
+        except Exception:  # an engine bug must not take the daemon down
+            self.stats["rx_exception"] += 1
+            log.exception("error handling a message from %s:%d", *pl.addr)
+
+    def _link_event(self, pl: PeerLink, ev: Any) -> None:
+        if isinstance(ev, LinkUp):
+            log.info("link to %s:%d up", *pl.addr)
+            return
+        reason = ev.reason if isinstance(ev, LinkFailed) else "closed"
+        log.warning("link to %s:%d failed: %s", pl.addr[0], pl.addr[1], reason)
+        pl.up = False
+        pl.failed_reason = reason
+        if self.links.get(pl.addr) is pl:
+            del self.links[pl.addr]
+        for qp in list(pl.qps):
+            # The retry budget is gone: the oldest unfinished WR gets RETRY_EXC_ERR.
+            for wr in qp.outstanding:
+                if not wr.done and not (0 <= wr.last_n < pl.link.acked):
+                    wr.status = W.IBV_WC_RETRY_EXC_ERR
+                    wr.done = True
+                    break
+            qp.fatal(f"link {reason}")
+        if self.cm is not None:
+            self.cm.on_link_failed(pl)
+
+    def next_deadline(self) -> float:
+        t = self.now + self.config.max_sleep_s
+        for pl in self.links.values():
+            d = pl.link.next_deadline()
+            if d is not None and d < t:
+                t = d
+        return t
+
+    async def run_data_path(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The data-path loop (see the module docstring).  Runs until cancelled."""
+        spin_s = self.config.spin_s
+        task_status.started()
+        busy = 0
+        while True:
+            if self.poll_once():
+                busy += 1
+                if busy >= 16:
+                    busy = 0
+                    await trio.lowlevel.checkpoint()  # let the control plane in
+                continue
+            # Idle: spin a little (a doorbell or datagram usually follows soon).
+            spin_end = self.now + spin_s
+            found = False
+            while trio.current_time() < spin_end:
+                os.sched_yield()
+                if self.poll_once():
+                    found = True
+                    break
+            if found:
+                continue
+            await self._sleep()
+
+    async def _sleep(self) -> None:
+        for sess in self.sessions:
+            sess.set_need_wakeup(1)
+        self._sleeping = True
+        try:
+            if self.poll_once():
+                return
+            with trio.move_on_at(self.next_deadline()):
+                await trio.lowlevel.wait_readable(self.epoll.fileno())
+        finally:
+            self._sleeping = False
+            for sess in self.sessions:
+                sess.set_need_wakeup(0)
+            # Consume the eventfd counts so the epoll fd stops being readable.
+            for fd, _ in self.epoll.poll(0):
+                if fd == self.wake_fd or fd in self._doorbells:
+                    try:
+                        os.eventfd_read(fd)
+                    except OSError:
+                        pass
+
+    def dump_stats(self) -> dict[str, int]:
+        out = dict(self.stats)
+        for pl in self.links.values():
+            for k, v in pl.link.stats.as_dict().items():
+                out[f"link_{k}"] = out.get(f"link_{k}", 0) + v
+        return out
+
+
+# QP states in which the QP takes part in the data path
+ACTIVE_STATES = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD, S.IBV_QPS_ERR)
+EVENT_QP_FATAL = EventType.IBV_EVENT_QP_FATAL

@@ -1,0 +1,754 @@
+"""Completion queues and queue pairs: the RDMAP engine (RFC 5040) of the emulated RNIC.
+
+Theory of operation
+-------------------
+A ``QueuePair`` owns its SQ and RQ rings (shared memory, ``wire/shm.py``)
+and the two read queues of the ExpEther RNIC: the ORRQ (Read Requests this
+QP sent, waiting for their Read Responses) and the IRRQ (Read Requests the
+peer sent, whose responses this QP still has to send).
+
+Requester side, driven by ``pump``: take the next send WQE, check its local
+SGEs (lkey valid, same PD, bounds; a violation completes the WR with
+IBV_WC_LOC_PROT_ERR and moves the QP to ERR), then cut the message lazily
+into DDP segments that fit the link (``link.send_space()`` bounds how many
+are queued, so a 1 GiB Write holds no more memory than the link's window).
+A Write (RFC 5040 §5.1) is tagged segments with the peer's STag and the
+tagged offset; Write with Immediate adds RFC 7306's Immediate Data message,
+which consumes a receive WQE at the target.  A Read (§5.2) is one Read
+Request on untagged queue 1 naming a *sink STag* private to this ORRQ entry
+(the sink is the requester's SGE list, so several SGEs work).
+
+Completions keep SQ order (verbs RC semantics): ``outstanding`` is the
+in-flight WRs in posting order; a Write is complete when the link has
+acknowledged its last message (``link.acked``), a Read when its last Read
+Response segment is placed.  Unsignaled successful WRs produce no CQE;
+errors always do.
+
+Responder side, driven by ``on_segment``: every tagged segment is checked
+(RFC 5040 §6.4: STag, PD, access, bounds) *before* a byte is written; a
+violation writes nothing, sends a Terminate (RFC 5040 §4.8) carrying the
+offending DDP header, and moves the QP to ERR.  Read Requests are answered
+from the source region by the daemon alone, bounded by IRD.
+
+ERR is sticky: every outstanding and later-posted WR completes with
+IBV_WC_WR_FLUSH_ERR (send and receive queues alike).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..wire import envelope, rdmap, segment, shm
+from ..wire.rdmap import Opcode
+from ..wire.shm import (
+    AccessFlags as A,
+    EventType,
+    QPState as S,
+    SendFlags,
+    WcFlags,
+    WcOpcode,
+    WcStatus as W,
+    WrOpcode,
+)
+from . import tables
+
+if TYPE_CHECKING:
+    from .device import Device, PeerLink
+
+log = logging.getLogger("udpverbs.daemon")
+
+_TAGGED_PREFIX = segment.TAGGED_PREFIX_LEN
+_UNTAGGED_PREFIX = segment.UNTAGGED_PREFIX_LEN
+_U32 = 0xFFFFFFFF
+_RECEIVING = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD)
+
+# tables check codes -> (Terminate error code, requester WC status)
+_TERM_CODE = {
+    tables.INVALID_STAG: rdmap.RdmapErrorCode.INVALID_STAG,
+    tables.BOUNDS: rdmap.RdmapErrorCode.BASE_OR_BOUNDS_VIOLATION,
+    tables.ACCESS: rdmap.RdmapErrorCode.ACCESS_RIGHTS_VIOLATION,
+    tables.WRONG_PD: rdmap.RdmapErrorCode.STAG_NOT_ASSOCIATED_WITH_STREAM,
+}
+
+
+class CompChannel:
+    """A completion channel: one eventfd that several CQs signal."""
+
+    def __init__(self, handle: int, session: Any) -> None:
+        self.handle = handle
+        self.session = session
+        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.cqs: set[int] = set()
+
+    def close(self) -> None:
+        if self.eventfd >= 0:
+            os.close(self.eventfd)
+            self.eventfd = -1
+
+
+class CompletionQueue:
+    """The daemon's side of a CQ: it produces CQEs into the shared ring."""
+
+    def __init__(self, handle: int, session: Any, cqe: int, channel: CompChannel | None) -> None:
+        self.handle = handle
+        self.session = session
+        self.entries = shm.round_entries(cqe)
+        self.fd, self.mm = shm.new_segment(shm.page_round(shm.ring_bytes(self.entries, shm.CQE_SIZE)), "uv-cq")
+        self.ring = shm.Ring(self.mm, 0, "struct uv_cqe", self.entries, init=True)
+        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.channel = channel
+        self.overrun = False
+        self.users = 0  # QPs that complete into this CQ
+
+    def push(self, wr_id: int, status: int, opcode: int, byte_len: int, qp_num: int,
+             src_qp: int = 0, imm_data: int = 0, wc_flags: int = 0, vendor_err: int = 0) -> bool:
+        """Write one CQE and wake a waiter if the CQ is armed.
+
+        Returns False (and raises IBV_EVENT_CQ_ERR once) if the ring is full.
+        """
+        r = self.ring
+        try:
+            free = r.free()
+        except shm.RingError:
+            free = 0
+        if free == 0 or self.overrun:
+            if not self.overrun:
+                self.overrun = True
+                r.hdr.overrun = 1
+                self.session.async_event(EventType.IBV_EVENT_CQ_ERR, self.handle)
+            return False
+        e = r.next_slot()
+        e.wr_id = wr_id
+        e.status = status
+        e.opcode = opcode
+        e.vendor_err = vendor_err
+        e.byte_len = byte_len & _U32
+        e.imm_data = imm_data
+        e.qp_num = qp_num
+        e.src_qp = src_qp
+        e.wc_flags = wc_flags
+        r.push()
+        r.publish()
+        hdr = r.hdr
+        if hdr.armed:
+            # Armed by req_notify: one event, then disarmed (verbs semantics).
+            hdr.armed = 0
+            if self.channel is not None:
+                hdr.event_pending = 1
+                _signal(self.channel.eventfd)
+            else:
+                _signal(self.eventfd)
+        return True
+
+    def close(self) -> None:
+        self.ring.release()
+        for fd in (self.fd, self.eventfd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.eventfd = -1
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+def _signal(fd: int) -> None:
+    try:
+        os.eventfd_write(fd, 1)
+    except OSError:  # counter saturated or fd gone: the waiter wakes anyway
+        pass
+
+
+class OutWR:
+    """A send WR between being taken from the SQ and its completion."""
+
+    __slots__ = ("wr_id", "wc_opcode", "signaled", "byte_len", "last_n", "done", "status",
+                 "rkey", "raddr", "sink_stag")
+
+    def __init__(self, wr_id: int, wc_opcode: int, signaled: bool, byte_len: int) -> None:
+        self.wr_id = wr_id
+        self.wc_opcode = wc_opcode
+        self.signaled = signaled
+        self.byte_len = byte_len
+        self.last_n = -1  # link message number of the last message; -1 until all are queued
+        self.done = False  # complete regardless of link acks (Read placed, or failed)
+        self.status = W.IBV_WC_SUCCESS
+        self.rkey = 0
+        self.raddr = 0
+        self.sink_stag = -1
+
+
+class _Gather:
+    """A resolved SGE list: (view, offset, length) pieces and a cursor."""
+
+    __slots__ = ("pieces", "total", "idx", "off")
+
+    def __init__(self, pieces: list[tuple[memoryview, int, int]]) -> None:
+        self.pieces = pieces
+        self.total = sum(p[2] for p in pieces)
+        self.idx = 0
+        self.off = 0
+
+    def copy_out(self, buf: bytearray, pos: int, n: int) -> None:
+        """Copy the next ``n`` bytes of the gather list into ``buf[pos:]``."""
+        pieces = self.pieces
+        while n:
+            view, base, length = pieces[self.idx]
+            k = min(n, length - self.off)
+            buf[pos:pos + k] = view[base + self.off:base + self.off + k]
+            pos += k
+            n -= k
+            self.off += k
+            if self.off == length:
+                self.idx += 1
+                self.off = 0
+
+    def scatter(self, offset: int, data: memoryview) -> None:
+        """Place ``data`` at message offset ``offset`` (bounds checked by the caller)."""
+        n = len(data)
+        pos = 0
+        for view, base, length in self.pieces:
+            if offset >= length:
+                offset -= length
+                continue
+            k = min(n - pos, length - offset)
+            view[base + offset:base + offset + k] = data[pos:pos + k]
+            pos += k
+            offset = 0
+            if pos == n:
+                return
+
+
+class _Sending:
+    """The WR the requester is segmenting now."""
+
+    __slots__ = ("wr", "gather", "sent", "opcode", "imm", "data_done")
+
+    def __init__(self, wr: OutWR, gather: _Gather, opcode: int, imm: int) -> None:
+        self.wr = wr
+        self.gather = gather
+        self.sent = 0
+        self.opcode = opcode
+        self.imm = imm
+        self.data_done = False
+
+
+class _PendingRead:
+    """An ORRQ entry: a Read Request sent, its responses being placed."""
+
+    __slots__ = ("wr", "gather", "size", "placed")
+
+    def __init__(self, wr: OutWR, gather: _Gather) -> None:
+        self.wr = wr
+        self.gather = gather
+        self.size = gather.total
+        self.placed = 0
+
+
+class _ReadResponse:
+    """An IRRQ entry: a Read Request accepted, its response being sent."""
+
+    __slots__ = ("view", "off", "size", "sink_stag", "sink_to", "sent")
+
+    def __init__(self, view: memoryview, off: int, size: int, sink_stag: int, sink_to: int) -> None:
+        self.view = view
+        self.off = off
+        self.size = size
+        self.sink_stag = sink_stag
+        self.sink_to = sink_to
+        self.sent = 0
+
+
+class QueuePair:
+    """One RC queue pair: rings, attributes, state, and the RDMAP engine."""
+
+    def __init__(self, device: "Device", qpn: int, session: Any, pd: tables.ProtectionDomain,
+                 send_cq: CompletionQueue, recv_cq: CompletionQueue, caps: dict[str, int],
+                 sq_sig_all: bool) -> None:
+        self.device = device
+        self.qpn = qpn
+        self.session = session
+        self.pd = pd
+        self.send_cq = send_cq
+        self.recv_cq = recv_cq
+        self.caps = caps
+        self.sq_sig_all = sq_sig_all
+        layout = shm.QPLayout(shm.round_entries(caps["max_send_wr"]), shm.round_entries(caps["max_recv_wr"]))
+        self.layout = layout
+        self.fd, self.mm = shm.new_segment(layout.size, "uv-qp")
+        self.sq = shm.Ring(self.mm, layout.sq_offset, "struct uv_send_wqe", layout.sq_entries, init=True)
+        self.rq = shm.Ring(self.mm, layout.rq_offset, "struct uv_recv_wqe", layout.rq_entries, init=True)
+        self.state = S.IBV_QPS_RESET
+        self.attrs: dict[str, Any] = {
+            "qp_access_flags": 0, "pkey_index": 0, "port_num": 1, "path_mtu": 5, "timeout": 14,
+            "retry_cnt": 7, "rnr_retry": 7, "min_rnr_timer": 0, "rq_psn": 0, "sq_psn": 0,
+            "max_rd_atomic": 1, "max_dest_rd_atomic": 1, "dest_qp_num": 0, "dlid": 0,
+            "dgid": bytes(16), "sq_draining": 0,
+        }
+        self.link: PeerLink | None = None
+        self.dest_qpn = 0
+        self._reset_engine()
+
+    def _reset_engine(self) -> None:
+        self.outstanding: collections.deque[OutWR] = collections.deque()
+        self.sending: _Sending | None = None
+        self.orrq: collections.deque[_PendingRead] = collections.deque()
+        self.irrq: collections.deque[_ReadResponse] = collections.deque()
+        self.read_msn = 1  # RFC 5041 §5.3: MSN starts at 1 on each untagged queue
+        self.send_msn = 1
+        self.term_msn = 1
+        self.next_sink = 1
+        self.rx_write_bytes = 0
+        self.terminated = False
+
+    # -- control path -------------------------------------------------------
+    @property
+    def ord(self) -> int:
+        return max(1, int(self.attrs["max_rd_atomic"]))
+
+    @property
+    def ird(self) -> int:
+        return max(1, int(self.attrs["max_dest_rd_atomic"]))
+
+    def set_state(self, new: int) -> None:
+        """Enter ``new`` (already validated): RESET discards, ERR flushes."""
+        old = self.state
+        self.state = new
+        if new == S.IBV_QPS_RESET:
+            # Discard whatever is queued: RESET empties both work queues.
+            try:
+                self.sq.pop(self.sq.available())
+                self.rq.pop(self.rq.available())
+            except shm.RingError:
+                pass
+            self._reset_engine()
+            self.device.detach_link(self)
+        elif new == S.IBV_QPS_ERR and old != S.IBV_QPS_ERR:
+            self.flush()
+
+    def fatal(self, reason: str, event: int = EventType.IBV_EVENT_QP_FATAL) -> None:
+        """Move to ERR after a protocol or local error; tell the app asynchronously."""
+        if self.state == S.IBV_QPS_ERR:
+            return
+        log.info("qp %d -> ERR: %s", self.qpn, reason)
+        self.set_state(S.IBV_QPS_ERR)
+        self.session.async_event(event, self.qpn)
+
+    def close(self) -> None:
+        self.sq.release()
+        self.rq.release()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+    # -- completions --------------------------------------------------------
+    def _complete(self, wr: OutWR) -> None:
+        if wr.status != W.IBV_WC_SUCCESS or wr.signaled:
+            self.send_cq.push(wr.wr_id, wr.status, wr.wc_opcode, wr.byte_len if wr.status == 0 else 0,
+                              self.qpn, self.dest_qpn)
+
+    def complete_acked(self, acked: int) -> bool:
+        """Retire WRs at the head of the SQ that are done; return True if any."""
+        q = self.outstanding
+        progressed = False
+        while q:
+            wr = q[0]
+            if not (wr.done or (0 <= wr.last_n < acked)):
+                break
+            q.popleft()
+            self._complete(wr)
+            progressed = True
+        return progressed
+
+    def flush(self) -> None:
+        """Complete everything outstanding and queued with IBV_WC_WR_FLUSH_ERR."""
+        link = self.link
+        acked = link.link.acked if link is not None else 0
+        # Messages the peer acknowledged before the error completed normally.
+        self.complete_acked(acked)
+        for wr in self.outstanding:
+            if wr.status == W.IBV_WC_SUCCESS:
+                wr.status = W.IBV_WC_WR_FLUSH_ERR
+            self._complete(wr)
+        self.outstanding.clear()
+        self.sending = None
+        self.orrq.clear()
+        self.irrq.clear()
+        self.flush_rings()
+
+    def flush_rings(self) -> bool:
+        """In ERR: complete newly posted WQEs with FLUSH_ERR.  Returns True if any."""
+        did = False
+        try:
+            n = self.sq.available()
+        except shm.RingError:
+            n = 0
+        for i in range(n):
+            w = self.sq.peek(i)
+            self.send_cq.push(w.wr_id, W.IBV_WC_WR_FLUSH_ERR, _wc_opcode(w.opcode), 0, self.qpn, self.dest_qpn)
+        if n:
+            self.sq.pop(n)
+            did = True
+        try:
+            n = self.rq.available()
+        except shm.RingError:
+            n = 0
+        for i in range(n):
+            w = self.rq.peek(i)
+            self.recv_cq.push(w.wr_id, W.IBV_WC_WR_FLUSH_ERR, WcOpcode.IBV_WC_RECV, 0, self.qpn, self.dest_qpn)
+        if n:
+            self.rq.pop(n)
+            did = True
+        return did
+
+    # -- requester ----------------------------------------------------------
+    def _resolve(self, wqe: Any, n: int, access: int) -> _Gather | None:
+        """Resolve a WQE's SGE list against the STag table; None on violation."""
+        pieces = []
+        stags = self.device.stags
+        for i in range(n):
+            sge = wqe.sg[i]
+            length = sge.length
+            if length == 0:
+                continue
+            mr = stags.lookup(sge.lkey)
+            if mr is None:
+                return None
+            code, off = mr.check(self.pd, access, sge.addr, length, tagged=False)
+            if code:
+                return None
+            pieces.append((mr.view, off, length))
+        return _Gather(pieces)
+
+    def _start_next(self) -> bool:
+        """Take the next WQE off the SQ if the engine can; True if one was taken."""
+        sq = self.sq
+        try:
+            if not sq.available():
+                return False
+        except shm.RingError as e:
+            self.fatal(f"send queue corrupt: {e}")
+            return True
+        w = sq.peek()
+        opcode = int(w.opcode)
+        flags = int(w.send_flags)
+        if opcode == WrOpcode.IBV_WR_RDMA_READ and (len(self.orrq) >= self.ord):
+            return False  # ORD reached: wait for a response (RFC 5040 §6.5)
+        if flags & SendFlags.IBV_SEND_FENCE and self.orrq:
+            return False  # fence: earlier Reads must finish first
+        signaled = bool(self.sq_sig_all or flags & SendFlags.IBV_SEND_SIGNALED)
+        wr = OutWR(int(w.wr_id), _wc_opcode(opcode), signaled, 0)
+        num_sge = int(w.num_sge)
+        rkey, raddr, imm = int(w.rkey), int(w.remote_addr), int(w.imm_data)
+        status = W.IBV_WC_SUCCESS
+        gather = None
+        if opcode not in (WrOpcode.IBV_WR_RDMA_WRITE, WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WrOpcode.IBV_WR_RDMA_READ):
+            status = W.IBV_WC_LOC_QP_OP_ERR
+        elif flags & SendFlags.IBV_SEND_INLINE and opcode != WrOpcode.IBV_WR_RDMA_READ:
+            n = int(w.inline_len)
+            if n > min(shm.MAX_INLINE, self.caps["max_inline_data"]):
+                status = W.IBV_WC_LOC_LEN_ERR
+            else:
+                data = bytes(shm.ffi.buffer(w.inline_data, n))
+                gather = _Gather([(memoryview(data), 0, n)] if n else [])
+        elif num_sge > self.caps["max_send_sge"]:
+            status = W.IBV_WC_LOC_LEN_ERR
+        else:
+            access = A.IBV_ACCESS_LOCAL_WRITE if opcode == WrOpcode.IBV_WR_RDMA_READ else 0
+            gather = self._resolve(w, num_sge, access)
+            if gather is None:
+                status = W.IBV_WC_LOC_PROT_ERR
+        sq.pop()
+        if gather is not None:
+            wr.byte_len = gather.total
+        wr.rkey, wr.raddr = rkey, raddr
+        self.outstanding.append(wr)
+        if status != W.IBV_WC_SUCCESS or gather is None:
+            wr.status = status if status != W.IBV_WC_SUCCESS else W.IBV_WC_GENERAL_ERR
+            wr.done = True
+            self.fatal(f"local error on wr {wr.wr_id}: {W(wr.status).name}", EventType.IBV_EVENT_QP_REQ_ERR)
+            return True
+        if opcode == WrOpcode.IBV_WR_RDMA_READ:
+            self._send_read_request(wr, gather, rkey, raddr)
+        else:
+            self.sending = _Sending(wr, gather, opcode, imm)
+        return True
+
+    def _send_read_request(self, wr: OutWR, gather: _Gather, rkey: int, raddr: int) -> None:
+        assert self.link is not None
+        sink = self.next_sink
+        self.next_sink = (sink + 1) & _U32 or 1
+        wr.sink_stag = sink
+        body = rdmap.encode_read_request(rdmap.ReadRequest(sink, 0, gather.total, rkey, raddr))
+        buf = bytearray(_UNTAGGED_PREFIX + len(body))
+        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_READ_REQUEST, True, self.read_msn, 0)
+        self.read_msn = (self.read_msn + 1) & _U32
+        buf[_UNTAGGED_PREFIX:] = body
+        self.link.send(buf)  # a Read completes when placed, not when its request is acked
+        self.orrq.append(_PendingRead(wr, gather))
+
+    def pump(self, budget: int) -> int:
+        """Queue up to ``budget`` messages on the link; return how many were queued."""
+        link = self.link
+        if link is None or not link.up:
+            return 0
+        sent = 0
+        max_data = link.max_data
+        while sent < budget and link.link.send_space() > 0:
+            # Read Responses first: the peer's Reads are waiting on us.
+            if self.irrq:
+                sent += self._send_read_response(max_data)
+                continue
+            if self.state != S.IBV_QPS_RTS:
+                break
+            s = self.sending
+            if s is None:
+                if not self._start_next():
+                    break
+                if self.state != S.IBV_QPS_RTS:
+                    break
+                continue
+            if not s.data_done:
+                total = s.gather.total
+                n = min(max_data, total - s.sent)
+                last = s.sent + n == total
+                buf = bytearray(_TAGGED_PREFIX + n)
+                segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, last,
+                                         s.wr.rkey, (s.wr.raddr + s.sent) & 0xFFFFFFFFFFFFFFFF)
+                if n:
+                    s.gather.copy_out(buf, _TAGGED_PREFIX, n)
+                s.sent += n
+                num = link.send(buf)
+                sent += 1
+                if last:
+                    s.data_done = True
+                    if s.opcode != WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM:
+                        s.wr.last_n = num
+                        self.sending = None
+                continue
+            # RFC 7306 §4: Immediate Data follows the Write on the send queue (QN 0).
+            body = rdmap.encode_immediate_data(s.imm)
+            buf = bytearray(_UNTAGGED_PREFIX + len(body))
+            segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.IMMEDIATE_DATA, True,
+                                       self.send_msn, 0)
+            self.send_msn = (self.send_msn + 1) & _U32
+            buf[_UNTAGGED_PREFIX:] = body
+            s.wr.last_n = link.send(buf)
+            sent += 1
+            self.sending = None
+        return sent
+
+    def _send_read_response(self, max_data: int) -> int:
+        assert self.link is not None
+        r = self.irrq[0]
+        n = min(max_data, r.size - r.sent)
+        last = r.sent + n == r.size
+        buf = bytearray(_TAGGED_PREFIX + n)
+        segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_READ_RESPONSE, last,
+                                 r.sink_stag, (r.sink_to + r.sent) & 0xFFFFFFFFFFFFFFFF)
+        start = r.off + r.sent
+        buf[_TAGGED_PREFIX:] = r.view[start:start + n]
+        r.sent += n
+        self.link.send(buf)
+        if last:
+            self.irrq.popleft()
+        return 1
+
+    # -- responder ----------------------------------------------------------
+    def on_segment(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
+        """Handle one DDP segment addressed to this QP (``raw``: the segment from its DDP header)."""
+        if self.state not in _RECEIVING:
+            return
+        op = hdr.opcode
+        if op == Opcode.RDMA_WRITE:
+            n = len(payload)
+            mr = self.device.stags.lookup(hdr.stag)
+            code, off = (tables.INVALID_STAG, 0) if mr is None else mr.check(
+                self.pd, A.IBV_ACCESS_REMOTE_WRITE, hdr.to, n, tagged=True)
+            if code:
+                self._terminate(_TERM_CODE[code], raw, n)
+                return
+            if n:
+                mr.view[off:off + n] = payload
+            self.rx_write_bytes += n
+        elif op == Opcode.RDMA_READ_RESPONSE:
+            self._on_read_response(hdr, payload, raw)
+        elif op == Opcode.RDMA_READ_REQUEST:
+            self._on_read_request(payload, raw)
+        elif op in (Opcode.IMMEDIATE_DATA, Opcode.IMMEDIATE_DATA_SE):
+            self._on_immediate(payload, raw)
+        elif op == Opcode.TERMINATE:
+            self._on_terminate(payload)
+        else:
+            # Send and atomics are not implemented yet: RFC 5040 §4.8 "unexpected opcode".
+            self._terminate(rdmap.RdmapErrorCode.UNEXPECTED_OPCODE, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+
+    def _on_read_request(self, payload: memoryview, raw: memoryview) -> None:
+        try:
+            req = rdmap.decode_read_request_untrusted(payload)
+        except Exception:  # decoder raises WireError only; keep the daemon up regardless
+            self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+            return
+        if len(self.irrq) >= self.ird:
+            # RFC 5040 §6.5: more outstanding Reads than IRD is a remote operation error.
+            self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION, rdmap_header=bytes(payload))
+            return
+        mr = self.device.stags.lookup(req.src_stag)
+        code, off = (tables.INVALID_STAG, 0) if mr is None else mr.check(
+            self.pd, A.IBV_ACCESS_REMOTE_READ, req.src_to, req.size, tagged=True)
+        if code:
+            self._terminate(_TERM_CODE[code], raw, len(payload), rdmap_header=bytes(payload))
+            return
+        self.irrq.append(_ReadResponse(mr.view, off, req.size, req.sink_stag, req.sink_to))
+
+    def _on_read_response(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
+        n = len(payload)
+        rd = self.orrq[0] if self.orrq else None
+        if rd is None or hdr.stag != rd.wr.sink_stag or hdr.to != rd.placed or rd.placed + n > rd.size \
+                or (hdr.last and rd.placed + n != rd.size):
+            # A response we did not ask for, or outside the sink: RFC 5041 §7.2 tagged buffer error.
+            if rd is not None:
+                rd.wr.status = W.IBV_WC_BAD_RESP_ERR
+                rd.wr.done = True
+            self._terminate(rdmap.DdpTaggedErrorCode.INVALID_STAG, raw, n, layer=rdmap.TermLayer.DDP,
+                            etype=rdmap.DdpErrorType.TAGGED_BUFFER)
+            return
+        if n:
+            rd.gather.scatter(rd.placed, payload)
+        rd.placed += n
+        if hdr.last:
+            self.orrq.popleft()
+            rd.wr.done = True
+
+    def _on_immediate(self, payload: memoryview, raw: memoryview) -> None:
+        try:
+            imm = rdmap.decode_immediate_data_untrusted(payload)
+        except Exception:
+            self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+            return
+        try:
+            have = self.rq.available()
+        except shm.RingError:
+            have = 0
+        if not have:
+            # No receive posted.  Modified ACK/NACK (RNR) is a later layer; for now
+            # this is RFC 5041 §7.2's "no buffer" untagged error.
+            self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_NO_BUFFER, raw, len(payload),
+                            layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+            return
+        w = self.rq.peek()
+        wr_id = int(w.wr_id)
+        self.rq.pop()
+        self.recv_cq.push(wr_id, W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV_RDMA_WITH_IMM, self.rx_write_bytes,
+                          self.qpn, self.dest_qpn, imm & _U32, WcFlags.IBV_WC_WITH_IMM)
+        self.rx_write_bytes = 0
+
+    def _terminate(self, ecode: int, raw: memoryview, seglen: int, *,
+                   layer: int = rdmap.TermLayer.RDMAP, etype: int = rdmap.RdmapErrorType.REMOTE_PROTECTION,
+                   rdmap_header: bytes = b"") -> None:
+        """Answer a violation: nothing placed, Terminate to the peer, QP to ERR (RFC 5040 §7.1)."""
+        self.device.stats["terminate_sent"] += 1
+        hlen = rdmap.ddp.TAGGED_HEADER_LEN if raw[0] & rdmap.ddp.T_FLAG else rdmap.ddp.UNTAGGED_HEADER_LEN
+        term = rdmap.Terminate(layer, etype, ecode, True, min(seglen + hlen, 0xFFFF), bytes(raw[:hlen]),
+                               rdmap_header)
+        body = rdmap.encode_terminate(term)
+        buf = bytearray(_UNTAGGED_PREFIX + len(body))
+        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.TERMINATE, True, self.term_msn, 0)
+        self.term_msn = (self.term_msn + 1) & _U32
+        buf[_UNTAGGED_PREFIX:] = body
+        if self.link is not None and self.link.up:
+            self.link.send(buf)
+        self.terminated = True
+        self.fatal(f"sent Terminate layer={layer} etype={etype} ecode={ecode:#x}",
+                   EventType.IBV_EVENT_QP_ACCESS_ERR)
+
+    def _on_terminate(self, payload: memoryview) -> None:
+        """The peer found a violation in something we sent: fail that WR, then ERR."""
+        try:
+            t = rdmap.decode_terminate_untrusted(payload)
+        except Exception:
+            t = rdmap.Terminate(rdmap.TermLayer.RDMAP, rdmap.RdmapErrorType.REMOTE_OPERATION, 0xFF)
+        status = _terminate_status(t)
+        victim = self._find_victim(t)
+        acked = self.link.link.acked if self.link is not None else 0
+        for wr in self.outstanding:
+            if wr is victim:
+                wr.status = status
+                wr.done = True
+                break
+            # In-order processing at the peer: everything before the victim was placed.
+            if wr.last_n >= 0 and wr.last_n < acked or wr.done:
+                continue
+            wr.done = True
+        self.complete_acked(acked)
+        self.fatal(f"received Terminate layer={t.layer} etype={t.etype} ecode={t.ecode:#x}")
+
+    def _find_victim(self, t: rdmap.Terminate) -> OutWR | None:
+        """The outstanding WR the peer rejected, from the headers the Terminate copies."""
+        if t.rdmap_header:
+            try:
+                req = rdmap.decode_read_request_untrusted(t.rdmap_header)
+            except Exception:
+                req = None
+            if req is not None:
+                for wr in self.outstanding:
+                    if wr.sink_stag == req.sink_stag:
+                        return wr
+        h = t.ddp_header
+        if len(h) == rdmap.ddp.TAGGED_HEADER_LEN:
+            _, rctl, stag, to = rdmap.ddp.TAGGED.unpack(h)
+            if rctl & 0x0F == Opcode.RDMA_WRITE:
+                for wr in self.outstanding:
+                    if wr.sink_stag < 0 and wr.rkey == stag and wr.raddr <= to <= wr.raddr + wr.byte_len:
+                        return wr
+        elif len(h) == rdmap.ddp.UNTAGGED_HEADER_LEN and h[1] & 0x0F in (Opcode.IMMEDIATE_DATA, Opcode.IMMEDIATE_DATA_SE):
+            for wr in self.outstanding:
+                if wr.wc_opcode == WcOpcode.IBV_WC_RDMA_WRITE and wr.sink_stag < 0 and not wr.done:
+                    return wr
+        for wr in self.outstanding:
+            if not wr.done:
+                return wr
+        return None
+
+
+def _terminate_status(t: rdmap.Terminate) -> int:
+    """The requester's WC status for a received Terminate (RFC 5040 §4.8 layer/etype)."""
+    if t.layer == rdmap.TermLayer.RDMAP:
+        if t.etype == rdmap.RdmapErrorType.REMOTE_PROTECTION:
+            return W.IBV_WC_REM_ACCESS_ERR
+        if t.etype == rdmap.RdmapErrorType.REMOTE_OPERATION:
+            return W.IBV_WC_REM_OP_ERR
+        return W.IBV_WC_REM_ABORT_ERR
+    if t.layer == rdmap.TermLayer.DDP:
+        if t.etype == rdmap.DdpErrorType.TAGGED_BUFFER:
+            return W.IBV_WC_REM_ACCESS_ERR
+        if t.etype == rdmap.DdpErrorType.UNTAGGED_BUFFER and t.ecode == rdmap.DdpUntaggedErrorCode.INVALID_MSN_NO_BUFFER:
+            return W.IBV_WC_RNR_RETRY_EXC_ERR
+        return W.IBV_WC_REM_OP_ERR
+    return W.IBV_WC_REM_ABORT_ERR
+
+
+_WC_OF_WR = {
+    WrOpcode.IBV_WR_RDMA_WRITE: WcOpcode.IBV_WC_RDMA_WRITE,
+    WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM: WcOpcode.IBV_WC_RDMA_WRITE,
+    WrOpcode.IBV_WR_SEND: WcOpcode.IBV_WC_SEND,
+    WrOpcode.IBV_WR_SEND_WITH_IMM: WcOpcode.IBV_WC_SEND,
+    WrOpcode.IBV_WR_RDMA_READ: WcOpcode.IBV_WC_RDMA_READ,
+    WrOpcode.IBV_WR_ATOMIC_CMP_AND_SWP: WcOpcode.IBV_WC_COMP_SWAP,
+    WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD: WcOpcode.IBV_WC_FETCH_ADD,
+}
+
+
+def _wc_opcode(wr_opcode: int) -> int:
+    return int(_WC_OF_WR.get(wr_opcode, WcOpcode.IBV_WC_SEND))

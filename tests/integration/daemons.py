@@ -1,0 +1,84 @@
+"""Start and stop real udpverbs daemons for tests (subprocesses, readiness by pipe, no sleeps)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+class DaemonProc:
+    """One ``python -m udpverbs.daemon`` on a loopback address, ephemeral UDP port."""
+
+    def __init__(self, name: str, addr: str, runtime_dir: str, *, mtu: int = 1472, seed: int = 1,
+                 extra: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.addr = addr
+        self.socket_path = os.path.join(runtime_dir, f"{name}.sock")
+        self.mtu = mtu
+        self.seed = seed
+        self.extra = extra
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = tempfile.NamedTemporaryFile(prefix=f"udpverbsd-{name}-", suffix=".log", delete=False)
+
+    def start(self, timeout_s: float = 20.0) -> "DaemonProc":
+        r, w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "udpverbs.daemon", "--name", self.name, "--addr", self.addr,
+                 "--port", "0", "--socket", self.socket_path, "--mtu", str(self.mtu), "--seed", str(self.seed),
+                 "--ready-fd", str(w), *self.extra],
+                pass_fds=(w,), stdout=self.log, stderr=self.log,
+            )
+        finally:
+            os.close(w)
+        try:
+            line = b""
+            deadline = time.monotonic() + timeout_s
+            while not line.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select([r], [], [], max(0.0, left))
+                if not ready:
+                    raise TimeoutError(f"daemon {self.name} not ready in {timeout_s} s: {self.log_text()}")
+                chunk = os.read(r, 256)
+                if not chunk:
+                    raise RuntimeError(f"daemon {self.name} exited: {self.log_text()}")
+                line += chunk
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            os.close(r)
+        _, ip, port, _ = line.decode().split()
+        self.port = int(port)
+        return self
+
+    def log_text(self) -> str:
+        with open(self.log.name, "rb") as f:
+            return f.read().decode(errors="replace")[-4000:]
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout_s)
+        self.proc = None
+        return p.returncode
+
+    def __enter__(self) -> "DaemonProc":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

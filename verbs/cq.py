@@ -1,0 +1,293 @@
+"""Completion queues, completion channels and work completions.
+
+Theory of operation
+-------------------
+The daemon writes CQEs into a ring in shared memory; ``CQ.poll`` reads them
+directly (no syscall, as a hardware CQ).  To wait, a caller arms the CQ
+(``req_notify``: a flag in the ring header); the daemon, after writing a CQE
+into an armed CQ, disarms it and writes the CQ's eventfd — or, for a CQ
+bound to a ``CompChannel``, the channel's eventfd, marking the CQ
+``event_pending`` so ``get_cq_event`` can say which CQ fired.
+
+``CQ.wait`` is the blocking helper: it spins briefly (a completion usually
+follows a post within tens of microseconds, and a sleeping vCPU costs ~60 µs
+to wake), then arms and sleeps on the eventfd, re-checking at a bounded
+interval.  ``await CQ.wait_async()`` is the trio flavour: the same arm-then-
+check, with ``trio.lowlevel.wait_readable`` on the eventfd.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import select
+import time
+from typing import Any
+
+from ..wire import shm
+from ..wire.ctl import Op
+from .device import Context, Resource, _close_all, _drain_eventfd
+from .errors import VerbsError
+
+SPIN_S = 100e-6  #: busy-poll before sleeping (vCPU wake-up costs more than this)
+RECHECK_S = 0.01  #: bounded sleep: covers a wake-up lost to store/load reordering
+
+
+class WC:
+    """A work completion (``ibv_wc``)."""
+
+    __slots__ = ("wr_id", "status", "opcode", "vendor_err", "byte_len", "qp_num", "src_qp", "imm_data",
+                 "wc_flags", "pkey_index", "slid", "sl", "dlid_path_bits")
+
+    def __init__(self, wr_id: int = 0, status: int = 0, opcode: int = 0, vendor_err: int = 0, byte_len: int = 0,
+                 qp_num: int = 0, src_qp: int = 0, imm_data: int = 0, wc_flags: int = 0) -> None:
+        self.wr_id = wr_id
+        self.status = status
+        self.opcode = opcode
+        self.vendor_err = vendor_err
+        self.byte_len = byte_len
+        self.qp_num = qp_num
+        self.src_qp = src_qp
+        self.imm_data = imm_data
+        self.wc_flags = wc_flags
+        self.pkey_index = 0
+        self.slid = 0
+        self.sl = 0
+        self.dlid_path_bits = 0
+
+    def __repr__(self) -> str:
+        st = shm.WcStatus(self.status).name if self.status in shm.WcStatus._value2member_map_ else self.status
+        return (f"WC(wr_id={self.wr_id}, status={st}, opcode={self.opcode}, byte_len={self.byte_len}, "
+                f"qp_num={self.qp_num}, src_qp={self.src_qp}, imm_data={self.imm_data}, wc_flags={self.wc_flags})")
+
+
+class CompChannel(Resource):
+    """A completion event channel (``ibv_comp_channel``)."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        rep, fds = ctx.call(Op.CREATE_COMP_CHANNEL)
+        if len(fds) != 1:
+            _close_all(fds)
+            raise VerbsError("channel without its eventfd", errno.EPROTO)
+        self.ctx = ctx
+        self.handle = rep.channel_handle
+        self.fd = fds[0]
+        self.cqs: list[CQ] = []
+        ctx._adopt(self)
+
+    def _fired(self, expected: "CQ | None") -> "CQ | None":
+        for cq in ([expected] if expected is not None else self.cqs):
+            hdr = cq._ring.hdr
+            if hdr.event_pending:
+                hdr.event_pending = 0
+                return cq
+        return None
+
+    def get_cq_event(self, expected_cq: "CQ | None" = None, timeout: float | None = 10.0) -> "CQ":
+        """Wait until a CQ of this channel (armed by ``req_notify``) gets a completion.
+
+        Returns the CQ that fired.
+
+        Raises:
+            TimeoutError: nothing within ``timeout`` seconds.
+        """
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            cq = self._fired(expected_cq)
+            if cq is not None:
+                return cq
+            left = RECHECK_S * 10 if deadline is None else min(RECHECK_S * 10, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError("no completion event")
+            r, _, _ = select.select([self.fd], [], [], left)
+            if r:
+                _drain_eventfd(self.fd)
+
+    async def get_cq_event_async(self, expected_cq: "CQ | None" = None, timeout: float | None = None) -> "CQ":
+        """trio flavour of ``get_cq_event`` (cancellable; ``timeout`` raises trio.TooSlowError)."""
+        import trio
+
+        self._check_open()
+        with trio.fail_after(timeout if timeout is not None else float("inf")):
+            while True:
+                cq = self._fired(expected_cq)
+                if cq is not None:
+                    return cq
+                with trio.move_on_after(RECHECK_S * 10):
+                    await trio.lowlevel.wait_readable(self.fd)
+                    _drain_eventfd(self.fd)
+
+    def _release(self) -> None:
+        for cq in list(self.cqs):
+            cq.close()
+        try:
+            if not self.ctx._closed:
+                self.ctx.call(Op.DESTROY_COMP_CHANNEL, channel_handle=self.handle)
+        finally:
+            _close_all([self.fd])
+
+
+class CQ(Resource):
+    """A completion queue (``CQ(ctx, cqe, cq_context=None, channel=None, comp_vector=0)``)."""
+
+    def __init__(self, ctx: Context, cqe: int, cq_context: Any = None, channel: CompChannel | None = None,
+                 comp_vector: int = 0) -> None:
+        super().__init__()
+        rep, fds = ctx.call(Op.CREATE_CQ, cqe=cqe, channel_handle=channel.handle if channel else 0,
+                            comp_vector=comp_vector)
+        if len(fds) != 2:
+            _close_all(fds)
+            raise VerbsError("CQ without its memory and eventfd", errno.EPROTO)
+        fd, self.fd = fds
+        try:
+            self._mm = mmap.mmap(fd, shm.page_round(shm.ring_bytes(rep.entries, shm.CQE_SIZE)))
+        finally:
+            os.close(fd)
+        self._ring = shm.Ring(self._mm, 0, "struct uv_cqe", rep.entries)
+        self.ctx = ctx
+        self.handle = rep.cq_handle
+        self.cqe = rep.cqe
+        self.cq_context = cq_context
+        self.channel = channel
+        self.comp_vector = comp_vector
+        self._qps: list[Any] = []
+        if channel is not None:
+            channel.cqs.append(self)
+        ctx._adopt(self)
+
+    # -- data path (no syscalls) --------------------------------------------------
+    def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
+        """Take up to ``num_entries`` completions.  Returns ``(npolled, [WC])``."""
+        ring = self._ring
+        n = min(ring.available(), num_entries)
+        out = []
+        for i in range(n):
+            e = ring.peek(i)
+            out.append(WC(e.wr_id, e.status, e.opcode, e.vendor_err, e.byte_len, e.qp_num, e.src_qp,
+                          e.imm_data, e.wc_flags))
+        if n:
+            ring.pop(n)
+        return n, out
+
+    def req_notify(self, solicited_only: bool = False) -> None:
+        """Arm the CQ: the next completion signals the CQ's (or its channel's) eventfd."""
+        hdr = self._ring.hdr
+        hdr.solicited_only = 1 if solicited_only else 0
+        hdr.armed = 1
+
+    def ack_events(self, num_events: int) -> None:
+        """Compatibility with ``ibv_ack_cq_events``; nothing to release here."""
+
+    @property
+    def overrun(self) -> bool:
+        """True once the daemon found this CQ full (IBV_EVENT_CQ_ERR was raised)."""
+        return bool(self._ring.hdr.overrun)
+
+    # -- waiting -------------------------------------------------------------------
+    def wait(self, timeout: float | None = 10.0) -> int:
+        """Block until at least one completion is ready; return how many are.
+
+        Spins ``SPIN_S`` first, then sleeps on the eventfd.
+
+        Raises:
+            TimeoutError: none within ``timeout`` seconds.
+        """
+        self._check_open()
+        ring = self._ring
+        n = ring.available()
+        if n:
+            return n
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        spin_end = now + SPIN_S
+        while time.monotonic() < spin_end:
+            n = ring.available()
+            if n:
+                return n
+        while True:
+            if self.channel is None:
+                self.req_notify()
+            n = ring.available()
+            if n:
+                return n
+            left = RECHECK_S if deadline is None else min(RECHECK_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"no completion on CQ {self.handle} within {timeout} s")
+            if self.channel is None:
+                r, _, _ = select.select([self.fd], [], [], left)
+                if r:
+                    _drain_eventfd(self.fd)
+            else:
+                time.sleep(min(left, 0.001))
+
+    async def wait_async(self, timeout: float | None = None) -> int:
+        """trio flavour of ``wait``: returns the number of ready completions.
+
+        Raises:
+            trio.TooSlowError: none within ``timeout`` seconds.
+        """
+        import trio
+
+        self._check_open()
+        ring = self._ring
+        with trio.fail_after(timeout if timeout is not None else float("inf")):
+            while True:
+                if self.channel is None:
+                    self.req_notify()
+                n = ring.available()
+                if n:
+                    return n
+                with trio.move_on_after(RECHECK_S):
+                    if self.channel is None:
+                        await trio.lowlevel.wait_readable(self.fd)
+                        _drain_eventfd(self.fd)
+                    else:
+                        await trio.sleep(0.001)
+
+    def poll_blocking(self, num_entries: int = 1, timeout: float | None = 10.0) -> list[WC]:
+        """Wait for and take exactly ``num_entries`` completions (a convenience for tests/tools).
+
+        Raises:
+            TimeoutError: fewer arrived within ``timeout`` seconds.
+        """
+        out: list[WC] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(out) < num_entries:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"{len(out)} of {num_entries} completions within {timeout} s")
+            self.wait(left)
+            _, wcs = self.poll(num_entries - len(out))
+            out += wcs
+        return out
+
+    async def poll_async(self, num_entries: int = 1, timeout: float | None = None) -> list[WC]:
+        """trio flavour of ``poll_blocking``."""
+        import trio
+
+        out: list[WC] = []
+        with trio.fail_after(timeout if timeout is not None else float("inf")):
+            while len(out) < num_entries:
+                await self.wait_async()
+                _, wcs = self.poll(num_entries - len(out))
+                out += wcs
+        return out
+
+    def _release(self) -> None:
+        for qp in list(self._qps):
+            qp.close()  # a QP completes into this CQ: it goes first
+        try:
+            if not self.ctx._closed:
+                self.ctx.call(Op.DESTROY_CQ, cq_handle=self.handle)
+        finally:
+            if self.channel is not None and self in self.channel.cqs:
+                self.channel.cqs.remove(self)
+            self._ring.release()
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+            _close_all([self.fd])

@@ -1,0 +1,382 @@
+"""Queue pairs, their attribute objects and work requests (pyverbs shapes).
+
+Theory of operation
+-------------------
+``QP(pd, QPInitAttr(...))`` asks the daemon for an RC QP and maps the QP's
+segment, which holds the send and receive rings.  ``post_send`` /
+``post_recv`` write WQEs straight into those rings (``wire/shm.py``
+layout), publish the producer index, and ring the doorbell only if the
+daemon said it sleeps (``need_wakeup``): posting never blocks and costs no
+syscall while the daemon is busy.  A full ring raises ENOMEM, like
+``ibv_post_send``.
+
+``modify`` / ``query`` go to the daemon, which owns the state machine (IB
+§11.2.5.2: RESET -> INIT -> RTR -> RTS, SQD, ERR; an invalid transition or
+attribute mask raises EINVAL and changes nothing).
+
+The peer of a QP is named by its daemon: ``AHAttr.dlid`` is the peer
+daemon's UDP port (its ``query_port().lid``) and ``AHAttr.gr.dgid`` its
+GID (``query_gid()``, the daemon's IPv4 address mapped into IPv6).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from typing import Any
+
+from ..wire import ctl, shm
+from ..wire.ctl import Op
+from ..wire.shm import QPAttrMask as M, QPState as S, SendFlags
+from .cq import CQ
+from .device import GID, Resource, _close_all
+from .errors import UserError, VerbsError
+from .pd import PD
+
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+class QPCap:
+    """``ibv_qp_cap``."""
+
+    def __init__(self, max_send_wr: int = 1, max_recv_wr: int = 10, max_send_sge: int = 1,
+                 max_recv_sge: int = 1, max_inline_data: int = 0) -> None:
+        self.max_send_wr = max_send_wr
+        self.max_recv_wr = max_recv_wr
+        self.max_send_sge = max_send_sge
+        self.max_recv_sge = max_recv_sge
+        self.max_inline_data = max_inline_data
+
+    def __repr__(self) -> str:
+        return f"QPCap({self.__dict__})"
+
+
+class QPInitAttr:
+    """``ibv_qp_init_attr``; ``scq``/``rcq`` (pyverbs) and ``send_cq``/``recv_cq`` are aliases."""
+
+    def __init__(self, qp_type: int = 2, qp_context: Any = None, scq: CQ | None = None, rcq: CQ | None = None,
+                 srq: Any = None, cap: QPCap | None = None, sq_sig_all: int = 1, *,
+                 send_cq: CQ | None = None, recv_cq: CQ | None = None) -> None:
+        self.qp_type = qp_type
+        self.qp_context = qp_context
+        self.send_cq = send_cq or scq
+        self.recv_cq = recv_cq or rcq or self.send_cq
+        if srq is not None:
+            raise UserError("SRQs are not supported")
+        self.srq = None
+        self.cap = cap or QPCap()
+        self.sq_sig_all = sq_sig_all
+
+    scq = property(lambda self: self.send_cq)
+    rcq = property(lambda self: self.recv_cq)
+
+
+class GlobalRoute:
+    """``ibv_global_route``: ``dgid`` names the peer daemon."""
+
+    def __init__(self, dgid: GID | str | bytes | None = None, flow_label: int = 0, sgid_index: int = 0,
+                 hop_limit: int = 1, traffic_class: int = 0) -> None:
+        self.dgid = dgid if isinstance(dgid, GID) or dgid is None else GID(dgid)
+        self.flow_label = flow_label
+        self.sgid_index = sgid_index
+        self.hop_limit = hop_limit
+        self.traffic_class = traffic_class
+
+
+class AHAttr:
+    """``ibv_ah_attr``: ``dlid`` is the peer daemon's UDP port, ``gr.dgid`` its GID."""
+
+    def __init__(self, dlid: int = 0, sl: int = 0, port_num: int = 1, is_global: int = 1,
+                 gr: GlobalRoute | None = None, src_path_bits: int = 0, static_rate: int = 0) -> None:
+        self.dlid = dlid
+        self.sl = sl
+        self.port_num = port_num
+        self.is_global = is_global
+        self.gr = gr or GlobalRoute()
+        self.src_path_bits = src_path_bits
+        self.static_rate = static_rate
+
+    @property
+    def dgid(self) -> GID | None:
+        return self.gr.dgid
+
+
+class QPAttr:
+    """``ibv_qp_attr`` (the fields RC uses)."""
+
+    def __init__(self, qp_state: int = S.IBV_QPS_RESET, cur_qp_state: int = S.IBV_QPS_RESET, **kw: Any) -> None:
+        self.qp_state = qp_state
+        self.cur_qp_state = cur_qp_state
+        self.qp_access_flags = 0
+        self.pkey_index = 0
+        self.port_num = 1
+        self.path_mtu = 5
+        self.timeout = 14
+        self.retry_cnt = 7
+        self.rnr_retry = 7
+        self.min_rnr_timer = 12
+        self.rq_psn = 0
+        self.sq_psn = 0
+        self.max_rd_atomic = 1
+        self.max_dest_rd_atomic = 1
+        self.dest_qp_num = 0
+        self.ah_attr = AHAttr()
+        self.sq_draining = 0
+        self.cap = QPCap()
+        for k, v in kw.items():
+            if not hasattr(self, k):
+                raise UserError(f"QPAttr has no attribute {k!r}")
+            setattr(self, k, v)
+
+    def _wire(self) -> dict[str, Any]:
+        gid = self.ah_attr.gr.dgid
+        d = {f: int(getattr(self, f)) for f in ctl.QP_ATTR_FIELDS if f not in ("dgid", "dlid")}
+        d["dgid"] = gid.raw if gid is not None else bytes(16)
+        d["dlid"] = int(self.ah_attr.dlid)
+        return d
+
+
+class SGE:
+    """``ibv_sge``: ``addr`` inside a registered MR (``mr.buf + offset``), ``length``, ``lkey``."""
+
+    __slots__ = ("addr", "length", "lkey")
+
+    def __init__(self, addr: int, length: int, lkey: int) -> None:
+        self.addr = addr
+        self.length = length
+        self.lkey = lkey
+
+    def __repr__(self) -> str:
+        return f"SGE(addr={self.addr:#x}, length={self.length}, lkey={self.lkey:#x})"
+
+
+class SendWR:
+    """``ibv_send_wr``; ``set_wr_rdma(rkey, addr)`` fills ``wr.rdma`` as in pyverbs."""
+
+    def __init__(self, wr_id: int = 0, opcode: int = 2, num_sge: int | None = None, imm_data: int = 0,
+                 sg: list[SGE] | None = None, send_flags: int = 0, next_wr: "SendWR | None" = None) -> None:
+        self.wr_id = wr_id
+        self.opcode = opcode
+        self.sg = list(sg or [])
+        self.num_sge = len(self.sg) if num_sge is None else num_sge
+        self.imm_data = imm_data
+        self.send_flags = send_flags
+        self.next_wr = next_wr
+        self.rkey = 0
+        self.remote_addr = 0
+
+    def set_wr_rdma(self, rkey: int, addr: int) -> None:
+        """Target of an RDMA Write/Read: the peer MR's ``rkey`` and an address in it."""
+        self.rkey = rkey
+        self.remote_addr = addr
+
+
+class RecvWR:
+    """``ibv_recv_wr``."""
+
+    def __init__(self, wr_id: int = 0, num_sge: int | None = None, sg: list[SGE] | None = None,
+                 next_wr: "RecvWR | None" = None) -> None:
+        self.wr_id = wr_id
+        self.sg = list(sg or [])
+        self.num_sge = len(self.sg) if num_sge is None else num_sge
+        self.next_wr = next_wr
+
+
+class QP(Resource):
+    """An RC queue pair (``QP(pd, init_attr, qp_attr=None)``).
+
+    With ``qp_attr`` the QP is moved to INIT at once, as pyverbs does.
+    """
+
+    def __init__(self, pd: PD, init_attr: QPInitAttr, qp_attr: QPAttr | None = None) -> None:
+        super().__init__()
+        scq, rcq = init_attr.send_cq, init_attr.recv_cq
+        if scq is None or rcq is None:
+            raise UserError("QPInitAttr needs a send CQ (scq/send_cq)")
+        cap = init_attr.cap
+        ctx = pd.ctx
+        rep, fds = ctx.call(
+            Op.CREATE_QP, pd_handle=pd.handle, send_cq=scq.handle, recv_cq=rcq.handle, qp_type=init_attr.qp_type,
+            max_send_wr=cap.max_send_wr, max_recv_wr=cap.max_recv_wr, max_send_sge=cap.max_send_sge,
+            max_recv_sge=cap.max_recv_sge, max_inline_data=cap.max_inline_data, sq_sig_all=int(init_attr.sq_sig_all),
+        )
+        if len(fds) != 1:
+            _close_all(fds)
+            raise VerbsError("QP without its rings", errno.EPROTO)
+        layout = shm.QPLayout(rep.sq_entries, rep.rq_entries)
+        try:
+            self._mm = mmap.mmap(fds[0], layout.size)
+        finally:
+            os.close(fds[0])
+        self._sq = shm.Ring(self._mm, layout.sq_offset, "struct uv_send_wqe", rep.sq_entries)
+        self._rq = shm.Ring(self._mm, layout.rq_offset, "struct uv_recv_wqe", rep.rq_entries)
+        self.ctx = ctx
+        self.pd = pd
+        self.qp_num = rep.qp_num
+        self.qp_type = init_attr.qp_type
+        self.qp_state = S.IBV_QPS_RESET
+        self.scq, self.rcq = scq, rcq
+        self.cap = QPCap(rep.max_send_wr, rep.max_recv_wr, rep.max_send_sge, rep.max_recv_sge,
+                         rep.max_inline_data)
+        self.sq_sig_all = init_attr.sq_sig_all
+        pd._adopt(self)
+        scq._qps.append(self)
+        if rcq is not scq:
+            rcq._qps.append(self)
+        if qp_attr is not None:
+            self.to_init(qp_attr)
+
+    # -- control path ---------------------------------------------------------------
+    def modify(self, qp_attr: QPAttr, attr_mask: int) -> None:
+        """``ibv_modify_qp``.  Raises VerbsError(EINVAL) for an invalid transition or mask."""
+        self._check_open()
+        self.ctx.call(Op.MODIFY_QP, qp_num=self.qp_num, attr_mask=int(attr_mask), **qp_attr._wire())
+        if attr_mask & M.IBV_QP_STATE:
+            self.qp_state = qp_attr.qp_state
+
+    def query(self, attr_mask: int = 0) -> tuple[QPAttr, QPInitAttr]:
+        """``ibv_query_qp``: the current attributes (all of them, whatever the mask)."""
+        self._check_open()
+        r, _ = self.ctx.call(Op.QUERY_QP, qp_num=self.qp_num)
+        attr = QPAttr()
+        for f in ctl.QP_ATTR_FIELDS:
+            if f not in ("dgid", "dlid"):
+                setattr(attr, f, getattr(r, f))
+        attr.ah_attr = AHAttr(dlid=r.dlid, gr=GlobalRoute(dgid=GID(r.dgid)))
+        attr.cap = QPCap(r.max_send_wr, r.max_recv_wr, r.max_send_sge, r.max_recv_sge, r.max_inline_data)
+        self.qp_state = r.qp_state
+        init = QPInitAttr(qp_type=self.qp_type, scq=self.scq, rcq=self.rcq, cap=attr.cap, sq_sig_all=r.sq_sig_all)
+        return attr, init
+
+    def to_init(self, attr: QPAttr) -> None:
+        """RESET -> INIT with ``attr``'s pkey_index, port_num and qp_access_flags."""
+        attr.qp_state = S.IBV_QPS_INIT
+        self.modify(attr, M.IBV_QP_STATE | M.IBV_QP_PKEY_INDEX | M.IBV_QP_PORT | M.IBV_QP_ACCESS_FLAGS)
+
+    def to_rtr(self, attr: QPAttr) -> None:
+        """(RESET ->) INIT -> RTR; ``attr`` carries dest_qp_num and ah_attr."""
+        if self.qp_state == S.IBV_QPS_RESET:
+            self.to_init(attr)
+        attr.qp_state = S.IBV_QPS_RTR
+        self.modify(attr, M.IBV_QP_STATE | M.IBV_QP_AV | M.IBV_QP_PATH_MTU | M.IBV_QP_DEST_QPN | M.IBV_QP_RQ_PSN
+                    | M.IBV_QP_MAX_DEST_RD_ATOMIC | M.IBV_QP_MIN_RNR_TIMER)
+
+    def to_rts(self, attr: QPAttr) -> None:
+        """(RESET -> INIT ->) RTR -> RTS, as pyverbs' ``to_rts``."""
+        if self.qp_state in (S.IBV_QPS_RESET, S.IBV_QPS_INIT):
+            self.to_rtr(attr)
+        attr.qp_state = S.IBV_QPS_RTS
+        self.modify(attr, M.IBV_QP_STATE | M.IBV_QP_SQ_PSN | M.IBV_QP_TIMEOUT | M.IBV_QP_RETRY_CNT
+                    | M.IBV_QP_RNR_RETRY | M.IBV_QP_MAX_QP_RD_ATOMIC)
+
+    # -- data path --------------------------------------------------------------------
+    def post_send(self, wr: SendWR, bad_wr: Any = None) -> None:
+        """Post a chain of send WRs (``wr.next_wr``).  Never blocks.
+
+        Raises:
+            VerbsError: EINVAL (QP not ready to send, too many SGEs, inline
+                too long), ENOMEM (send queue full).
+            UserError: ``num_sge`` larger than the SGE list.
+        """
+        self._check_open()
+        if self.qp_state in (S.IBV_QPS_RESET, S.IBV_QPS_INIT, S.IBV_QPS_RTR):
+            raise VerbsError(f"post_send on a QP in {S(self.qp_state).name}", errno.EINVAL)
+        sq = self._sq
+        cap = self.cap
+        posted = 0
+        try:
+            while wr is not None:
+                n = wr.num_sge
+                if n > len(wr.sg):
+                    raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
+                if sq.free() == 0:
+                    raise VerbsError("send queue full", errno.ENOMEM)
+                e = sq.next_slot()
+                e.wr_id = wr.wr_id & _U64
+                e.opcode = wr.opcode
+                e.send_flags = wr.send_flags
+                e.imm_data = wr.imm_data & _U32
+                e.rkey = wr.rkey & _U32
+                e.remote_addr = wr.remote_addr & _U64
+                if wr.send_flags & SendFlags.IBV_SEND_INLINE:
+                    data = b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length))
+                                    for s in wr.sg[:n])
+                    if len(data) > cap.max_inline_data:
+                        raise VerbsError(f"{len(data)} inline bytes > max_inline_data {cap.max_inline_data}",
+                                         errno.EINVAL)
+                    shm.ffi.memmove(e.inline_data, data, len(data))
+                    e.inline_len = len(data)
+                    e.num_sge = 0
+                else:
+                    if n > cap.max_send_sge:
+                        raise VerbsError(f"num_sge {n} > max_send_sge {cap.max_send_sge}", errno.EINVAL)
+                    sg = e.sg
+                    for i in range(n):
+                        s = wr.sg[i]
+                        d = sg[i]
+                        d.addr = s.addr
+                        d.length = s.length
+                        d.lkey = s.lkey
+                    e.num_sge = n
+                    e.inline_len = 0
+                sq.push()
+                posted += 1
+                wr = wr.next_wr
+        finally:
+            if posted:
+                sq.publish()
+                self.ctx.ring_doorbell()
+
+    def post_recv(self, wr: RecvWR, bad_wr: Any = None) -> None:
+        """Post a chain of receive WRs.  Never blocks.
+
+        Raises:
+            VerbsError: EINVAL (QP in RESET, too many SGEs), ENOMEM (queue full).
+            UserError: ``num_sge`` larger than the SGE list.
+        """
+        self._check_open()
+        if self.qp_state == S.IBV_QPS_RESET:
+            raise VerbsError("post_recv on a QP in RESET", errno.EINVAL)
+        rq = self._rq
+        posted = 0
+        try:
+            while wr is not None:
+                n = wr.num_sge
+                if n > len(wr.sg):
+                    raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
+                if n > self.cap.max_recv_sge:
+                    raise VerbsError(f"num_sge {n} > max_recv_sge {self.cap.max_recv_sge}", errno.EINVAL)
+                if rq.free() == 0:
+                    raise VerbsError("receive queue full", errno.ENOMEM)
+                e = rq.next_slot()
+                e.wr_id = wr.wr_id & _U64
+                e.num_sge = n
+                for i in range(n):
+                    s = wr.sg[i]
+                    e.sg[i].addr = s.addr
+                    e.sg[i].length = s.length
+                    e.sg[i].lkey = s.lkey
+                rq.push()
+                posted += 1
+                wr = wr.next_wr
+        finally:
+            if posted:
+                rq.publish()
+                self.ctx.ring_doorbell()
+
+    def _release(self) -> None:
+        for cq in (self.scq, self.rcq):
+            if self in cq._qps:
+                cq._qps.remove(self)
+        try:
+            if not self.ctx._closed:
+                self.ctx.call(Op.DESTROY_QP, qp_num=self.qp_num)
+        finally:
+            self._sq.release()
+            self._rq.release()
+            try:
+                self._mm.close()
+            except BufferError:
+                pass

@@ -1,0 +1,288 @@
+"""Control messages on the unix socket between the verbs library and the daemon.
+
+Theory of operation
+-------------------
+The control path is a SOCK_SEQPACKET unix socket: one datagram per message,
+boundaries kept, and file descriptors (memfd segments, eventfds) travel next
+to the message as SCM_RIGHTS.  The library sends one request and waits for
+its reply (pyverbs verbs are synchronous); a reply repeats the request's
+``op`` with ``REPLY`` set and carries ``status``, an errno (0 = success)::
+
+    +--------+--------+----------------+-----------------------+
+    | op u16 | flg u16| status i32     | body (per-op layout)  |
+    +--------+--------+----------------+-----------------------+
+
+An error reply's body is ``ERROR``: a UTF-8 explanation, then any private
+data (a connection rejected by the peer application carries the peer's
+private data back, as rdma_cm's REJECTED event does).
+
+Each body layout is declared once in ``REQUESTS`` / ``REPLIES`` as a struct
+format plus field names; a layout may end in a variable ``data`` tail (CM
+private data, the device name).  ``decode_request_untrusted`` is the only
+parser the daemon applies to client bytes and raises only ``WireError``.
+
+Addresses of peer daemons travel as 16-byte GIDs: an IPv4 address is an
+IPv4-mapped IPv6 address (``::ffff:a.b.c.d``), as RoCEv2 and iWARP devices
+report their GIDs; the peer daemon's UDP port travels beside it.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import os
+import struct
+from collections import namedtuple
+from typing import Any
+
+from .errors import WireError
+
+CTL_VERSION = 1
+MAX_CTL_MESSAGE = 2048  #: bytes; the largest is a CM message with 512 B private data
+MAX_PRIVATE_DATA = 512  #: rdma_cm's limit for iWARP (MPA, RFC 5044 §7.1)
+MAX_FDS = 4
+REPLY = 0x1
+
+_HDR = struct.Struct("!HHi")
+HEADER_LEN = _HDR.size
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    ALLOC_PD = 2
+    DEALLOC_PD = 3
+    REG_MR = 4
+    DEREG_MR = 5
+    CREATE_COMP_CHANNEL = 6
+    DESTROY_COMP_CHANNEL = 7
+    CREATE_CQ = 8
+    DESTROY_CQ = 9
+    CREATE_QP = 10
+    MODIFY_QP = 11
+    QUERY_QP = 12
+    DESTROY_QP = 13
+    CM_LISTEN = 20
+    CM_GET_REQUEST = 21
+    CM_ACCEPT = 22
+    CM_REJECT = 23
+    CM_CONNECT = 24
+    CM_DISCONNECT = 25
+    CM_DESTROY_LISTENER = 26
+
+
+class Layout:
+    """One body layout: a big-endian struct format, field names, optional tail.
+
+    ``encode(**fields)`` returns bytes; ``decode_untrusted(body)`` returns a
+    namedtuple and raises only ``WireError``.
+    """
+
+    def __init__(self, name: str, fmt: str, fields: str, tail: bool = False) -> None:
+        self.st = struct.Struct("!" + fmt)
+        names = fields.split()
+        if len(names) != len(self.st.unpack(bytes(self.st.size))):
+            raise AssertionError(f"{name}: format {fmt!r} does not match fields {names}")
+        self.tail = tail
+        self.fields = tuple(names)
+        self.type = namedtuple(name, names + (["data"] if tail else []))  # type: ignore[misc]
+
+    def encode(self, **kw: Any) -> bytes:
+        """Pack ``kw`` (every field; ``data`` for the tail).  Raises ValueError/struct.error."""
+        values = [kw.pop(f) for f in self.fields]
+        data = bytes(kw.pop("data", b"")) if self.tail else b""
+        if kw:
+            raise ValueError(f"unknown fields {sorted(kw)}")
+        return self.st.pack(*values) + data
+
+    def decode_untrusted(self, body: bytes | memoryview) -> Any:
+        """Parse a body.  Raises WireError (``truncated``, ``bad_length``)."""
+        n = self.st.size
+        if len(body) < n:
+            raise WireError("truncated", f"{self.type.__name__}: {len(body)} < {n} bytes")
+        values = self.st.unpack_from(body)
+        if self.tail:
+            return self.type(*values, bytes(body[n:]))
+        if len(body) != n:
+            raise WireError("bad_length", f"{self.type.__name__}: {len(body)} != {n} bytes")
+        return self.type(*values)
+
+
+_E = Layout("Empty", "", "")
+#: QP attributes, in modify requests and query replies (ibv_qp_attr's fields;
+#: ``dgid``/``dlid`` are the ah_attr: peer daemon's address GID and UDP port).
+_QP_ATTR_FMT = "IIIIIIIIIIIIIIIH16sI"
+_QP_ATTR_FIELDS = (
+    "qp_state cur_qp_state qp_access_flags pkey_index port_num path_mtu timeout "
+    "retry_cnt rnr_retry min_rnr_timer rq_psn sq_psn max_rd_atomic max_dest_rd_atomic "
+    "dest_qp_num dlid dgid sq_draining"
+)
+
+REQUESTS: dict[Op, Layout] = {
+    Op.HELLO: Layout("HelloReq", "I", "version"),
+    Op.ALLOC_PD: _E,
+    Op.DEALLOC_PD: Layout("DeallocPd", "I", "pd_handle"),
+    Op.REG_MR: Layout("RegMr", "IIQQ", "pd_handle access length addr"),
+    Op.DEREG_MR: Layout("DeregMr", "I", "mr_handle"),
+    Op.CREATE_COMP_CHANNEL: _E,
+    Op.DESTROY_COMP_CHANNEL: Layout("DestroyChannel", "I", "channel_handle"),
+    Op.CREATE_CQ: Layout("CreateCq", "III", "cqe channel_handle comp_vector"),
+    Op.DESTROY_CQ: Layout("DestroyCq", "I", "cq_handle"),
+    Op.CREATE_QP: Layout(
+        "CreateQp", "IIIIIIIIII",
+        "pd_handle send_cq recv_cq qp_type max_send_wr max_recv_wr max_send_sge "
+        "max_recv_sge max_inline_data sq_sig_all",
+    ),
+    Op.MODIFY_QP: Layout("ModifyQp", "II" + _QP_ATTR_FMT, "qp_num attr_mask " + _QP_ATTR_FIELDS),
+    Op.QUERY_QP: Layout("QueryQp", "I", "qp_num"),
+    Op.DESTROY_QP: Layout("DestroyQp", "I", "qp_num"),
+    Op.CM_LISTEN: Layout("CmListen", "HI", "port backlog"),
+    Op.CM_GET_REQUEST: Layout("CmGetRequest", "II", "listener_handle timeout_ms"),
+    Op.CM_ACCEPT: Layout("CmAccept", "IIII", "conn_id qp_num ord ird", tail=True),
+    Op.CM_REJECT: Layout("CmReject", "I", "conn_id", tail=True),
+    Op.CM_CONNECT: Layout(
+        "CmConnect", "I16sHHIII", "qp_num gid udp_port port ord ird timeout_ms", tail=True
+    ),
+    Op.CM_DISCONNECT: Layout("CmDisconnect", "I", "qp_num"),
+    Op.CM_DESTROY_LISTENER: Layout("CmDestroyListener", "I", "listener_handle"),
+}
+
+REPLIES: dict[Op, Layout] = {
+    Op.HELLO: Layout(
+        "HelloRep", "IHIIIIIIIIIQIIIQ16s",
+        "ctx_handle udp_port link_mtu max_qp max_cq max_mr max_pd max_qp_wr max_cqe "
+        "max_sge max_inline_data max_mr_size max_qp_rd_atom max_qp_init_rd_atom "
+        "async_entries node_guid gid",
+        tail=True,  # device name, UTF-8
+    ),
+    Op.ALLOC_PD: Layout("AllocPdRep", "I", "pd_handle"),
+    Op.DEALLOC_PD: _E,
+    Op.REG_MR: Layout("RegMrRep", "III", "mr_handle lkey rkey"),
+    Op.DEREG_MR: _E,
+    Op.CREATE_COMP_CHANNEL: Layout("CreateChannelRep", "I", "channel_handle"),
+    Op.DESTROY_COMP_CHANNEL: _E,
+    Op.CREATE_CQ: Layout("CreateCqRep", "III", "cq_handle cqe entries"),
+    Op.DESTROY_CQ: _E,
+    Op.CREATE_QP: Layout(
+        "CreateQpRep", "IIIIIIII",
+        "qp_num max_send_wr max_recv_wr max_send_sge max_recv_sge max_inline_data "
+        "sq_entries rq_entries",
+    ),
+    Op.MODIFY_QP: _E,
+    Op.QUERY_QP: Layout(
+        "QueryQpRep", _QP_ATTR_FMT + "IIIIII",
+        _QP_ATTR_FIELDS + " max_send_wr max_recv_wr max_send_sge max_recv_sge "
+        "max_inline_data sq_sig_all",
+    ),
+    Op.DESTROY_QP: _E,
+    Op.CM_LISTEN: Layout("CmListenRep", "I", "listener_handle"),
+    Op.CM_GET_REQUEST: Layout(
+        "CmRequest", "IIII16sH", "conn_id remote_qpn ord ird gid udp_port", tail=True
+    ),
+    Op.CM_ACCEPT: _E,
+    Op.CM_REJECT: _E,
+    Op.CM_CONNECT: Layout("CmConnectRep", "III", "remote_qpn ord ird", tail=True),
+    Op.CM_DISCONNECT: _E,
+    Op.CM_DESTROY_LISTENER: _E,
+}
+
+ERROR = Layout("Error", "I", "text_len", tail=True)
+
+#: Attribute names of a QP (for building MODIFY_QP from an object).
+QP_ATTR_FIELDS: tuple[str, ...] = tuple(_QP_ATTR_FIELDS.split())
+
+
+def encode_request(op: Op, **fields: Any) -> bytes:
+    """Build a request message.  Raises ValueError/struct.error on a caller bug."""
+    return _HDR.pack(op, 0, 0) + REQUESTS[op].encode(**fields)
+
+
+def decode_request_untrusted(data: bytes | memoryview) -> tuple[Op, Any]:
+    """Parse a request from a client.
+
+    Returns ``(op, fields)``.
+
+    Raises:
+        WireError: ``truncated``, ``bad_op``, ``bad_flags``, ``bad_length``.
+    """
+    if len(data) < HEADER_LEN:
+        raise WireError("truncated", "control header")
+    op, flags, _status = _HDR.unpack_from(data)
+    try:
+        op = Op(op)
+    except ValueError:
+        raise WireError("bad_op", str(op)) from None
+    if flags:
+        raise WireError("bad_flags", str(flags))
+    return op, REQUESTS[op].decode_untrusted(memoryview(data)[HEADER_LEN:])
+
+
+def encode_reply(op: Op, **fields: Any) -> bytes:
+    """Build a success reply for ``op``."""
+    return _HDR.pack(op, REPLY, 0) + REPLIES[op].encode(**fields)
+
+
+def encode_error(op: Op, errno_: int, text: str, private_data: bytes = b"") -> bytes:
+    """Build an error reply: errno, explanation, optional private data."""
+    t = text.encode()[:1024]
+    return _HDR.pack(op, REPLY, errno_) + ERROR.encode(text_len=len(t), data=t + private_data)
+
+
+def decode_reply(data: bytes | memoryview, op: Op) -> tuple[int, Any]:
+    """Parse the daemon's reply to a request ``op``.
+
+    Returns ``(0, fields)`` on success or ``(errno, (text, private_data))``.
+
+    Raises:
+        WireError: the reply is malformed or answers another op.
+    """
+    if len(data) < HEADER_LEN:
+        raise WireError("truncated", "control reply header")
+    rop, flags, status = _HDR.unpack_from(data)
+    if rop != op or flags != REPLY:
+        raise WireError("bad_op", f"reply for {rop}, expected {int(op)}")
+    body = memoryview(data)[HEADER_LEN:]
+    if status:
+        err = ERROR.decode_untrusted(body)
+        text = err.data[: err.text_len].decode(errors="replace")
+        return status, (text, err.data[err.text_len:])
+    return 0, REPLIES[op].decode_untrusted(body)
+
+
+def gid_from_ip(ip: str) -> bytes:
+    """The 16-byte GID of a daemon's IP address (IPv4 becomes ``::ffff:a.b.c.d``)."""
+    addr = ipaddress.ip_address(ip)
+    if isinstance(addr, ipaddress.IPv4Address):
+        addr = ipaddress.IPv6Address("::ffff:" + str(addr))
+    return addr.packed
+
+
+def ip_from_gid(gid: bytes) -> str:
+    """The IP address string a GID names (IPv4-mapped GIDs give dotted quads).
+
+    Raises:
+        ValueError: ``gid`` is not 16 bytes.
+    """
+    if len(gid) != 16:
+        raise ValueError(f"a GID is 16 bytes, got {len(gid)}")
+    addr = ipaddress.IPv6Address(bytes(gid))
+    return str(addr.ipv4_mapped) if addr.ipv4_mapped else str(addr)
+
+
+def runtime_dir() -> str:
+    """The per-user directory holding daemons' control sockets (not created).
+
+    ``$UDPVERBS_RUNTIME_DIR`` if set, else ``$XDG_RUNTIME_DIR/udpverbs``,
+    else ``/tmp/udpverbs-<uid>``.
+    """
+    d = os.environ.get("UDPVERBS_RUNTIME_DIR")
+    if d:
+        return d
+    x = os.environ.get("XDG_RUNTIME_DIR")
+    if x:
+        return os.path.join(x, "udpverbs")
+    return f"/tmp/udpverbs-{os.getuid()}"
+
+
+def socket_path(name: str) -> str:
+    """The control socket of device ``name``: ``<runtime dir>/<name>.sock``."""
+    return os.path.join(runtime_dir(), f"{name}.sock")
