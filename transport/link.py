@@ -1,0 +1,794 @@
+"""The reliable, congestion-controlled link between two daemons (sans-IO).
+
+Theory of operation
+-------------------
+A :class:`Link` is one direction-pair of reliable, ordered, exactly-once
+message delivery over datagrams that may be lost, duplicated, reordered or
+corrupted.  It does no I/O: the owner feeds it ``datagram_received(data,
+now)`` and ``timer_fired(now)``, queues messages with ``send``, and drains
+``datagrams_to_send(now)``, ``drain_received()``, ``next_event()`` and
+``next_deadline()`` (aioquic's shape).  Time is a float ``now`` in seconds.
+
+Opening (a 2-way handshake with a proof of tag, as SCTP's verification tag):
+each side picks a random 32-bit *tag* and ISN.  INIT carries ours (conn_tag
+0); the peer answers INIT_ACK carrying its own, addressed with our tag.  A
+side is ESTABLISHED when it knows the peer's tag+ISN *and* the peer proved it
+knows ours (a packet with ``conn_tag == our tag``: the INIT_ACK for the
+active side, the first ACK/DATA for the passive side).  Simultaneous opens
+converge: an INIT received while INIT_SENT is answered with INIT_ACK and both
+sides finish on the other's INIT_ACK.  INIT/INIT_ACK retransmit with
+exponential back-off and fail after ``max_init_retransmits``.  An INIT with a
+different *incarnation* from an established peer means the peer restarted:
+``LinkFailed("peer_restarted")``.
+
+Data: message ``n`` travels as wire sequence ``isn + n mod 2**32``; numbers
+are unwrapped against the current window (half the sequence space either
+side), so the wrap is invisible above.  The receiver accepts ``n`` in
+``[rcv_nxt, rcv_nxt + window)`` where the window is ``rwnd_packets`` minus
+what the owner has not drained yet (bounded memory), buffers out-of-order
+packets, delivers in order exactly once and advertises the window it has
+left.  ACKs are cumulative (``ack`` = next expected sequence) plus up to 4
+SACK blocks (RFC 2018; the block holding the latest arrival first, then the
+lowest ones, which name the holes the sender must fill first).
+
+ACK policy (RFC 5681 §4.2 / RFC 1122): ACK every ``ack_every`` in-order
+packets, or after ``max_ack_delay_s``; at once for an out-of-order,
+duplicate or out-of-window packet, for a filled hole, and when the sender set
+ACK_NOW (it does on the last packet of a burst, so a small message is not
+held by the delayed-ACK timer).  Any DATA we send piggybacks the ACK.
+
+Timestamps and the echo rule: every packet carries ``ts_us`` (our clock, µs
+mod 2**32).  ``ts_echo_us`` returns the ts of the latest packet received from
+the peer *plus the time we held it* before this packet left.  So the peer's
+``now - ts_echo`` is exactly the network round trip (forward and return
+path, queues included) without our ACK delay, whatever the two clocks'
+offsets.  That is the delay signal of EFE congestion control, and RFC 6298's
+RTT sample.  A sample is taken from an ACK that newly acknowledges data
+(RFC 7323 §4), so idle-time echoes do not pollute it.
+
+Loss recovery (``recovery.py``): SACK + transmission-id threshold for fast
+retransmit, RFC 6298 RTO with exponential back-off; ``max_retransmits``
+consecutive RTOs without progress fail the link.  Congestion control
+(``congestion/``) gives ``cwnd_bytes`` and a pacing rate (``pacer.py``).
+
+Liveness: after ``keepalive_idle_s`` without hearing from the peer we send
+KEEPALIVE (answered by an immediate ACK), again every ``keepalive_idle_s``;
+after ``dead_peer_s`` of silence: ``LinkFailed("dead_peer")``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import random
+from collections import deque
+from dataclasses import dataclass, field, fields
+from functools import partial
+from typing import Any
+
+from ..wire import link as wl
+from ..wire.errors import WireError
+from .congestion.base import INF, create
+from .pacer import Pacer
+from .recovery import Recovery, RttEstimator
+
+_U32 = 0xFFFFFFFF
+_HALF = 1 << 31
+_FULL = 1 << 32
+_DATA = wl.PacketType.DATA
+_ACK = wl.PacketType.ACK
+_INIT = wl.PacketType.INIT
+_INIT_ACK = wl.PacketType.INIT_ACK
+_KEEPALIVE = wl.PacketType.KEEPALIVE
+_ABORT = wl.PacketType.ABORT
+_ACK_NOW = int(wl.LinkFlags.ACK_NOW)
+_RETX = int(wl.LinkFlags.RETRANSMISSION)
+_Header = wl.LinkHeader
+_encode = wl.encode
+_decode = wl.decode_untrusted
+
+
+class LinkState(enum.IntEnum):
+    IDLE = 0  #: created, nothing sent or received
+    INIT_SENT = 1  #: active open, waiting for INIT_ACK
+    INIT_RECEIVED = 2  #: peer's tag known, waiting for proof the peer knows ours
+    ESTABLISHED = 3
+    CLOSED = 4  #: close() called
+    FAILED = 5  #: sticky; see the LinkFailed event for the reason
+
+
+@dataclass(frozen=True)
+class LinkUp:
+    """The link is established; ``peer_incarnation`` identifies the peer's daemon run."""
+
+    peer_incarnation: int
+
+
+@dataclass(frozen=True)
+class LinkFailed:
+    """The link is dead for good: ``handshake_timeout``, ``retransmit_budget``,
+    ``dead_peer``, ``peer_restarted`` or ``abort_received``."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class LinkClosed:
+    """``close()`` was called; an ABORT went to the peer."""
+
+
+LinkEvent = LinkUp | LinkFailed | LinkClosed
+
+
+@dataclass
+class LinkConfig:
+    """Tunables of one link.  Defaults suit a data-centre or loopback path
+    (RTT 20 µs - 1 ms)."""
+
+    #: largest message (link body); 1472-byte UDP payloads by default
+    max_payload: int = 1472 - wl.OVERHEAD
+    #: receive window in packets (buffered out of order + undrained)
+    rwnd_packets: int = 256
+    #: messages the owner may queue beyond ``acked`` (send_space bound)
+    send_buffer_packets: int = 512
+    ack_every: int = 2
+    max_ack_delay_s: float = 200e-6
+    initial_rto_s: float = 0.05
+    min_rto_s: float = 0.004
+    max_rto_s: float = 2.0
+    #: consecutive RTOs without progress before LinkFailed("retransmit_budget")
+    max_retransmits: int = 10
+    #: INIT / INIT_ACK retransmissions before LinkFailed("handshake_timeout")
+    max_init_retransmits: int = 8
+    keepalive_idle_s: float = 1.0
+    dead_peer_s: float = 5.0
+    #: packets sent after a loss before it is declared lost (RFC 9002 §6.1.1)
+    reorder_threshold: int = 3
+    cc: str = "efe"
+    cc_params: dict[str, Any] = field(default_factory=dict)
+    #: burst the pacer allows after idle, in packets
+    pacing_burst_packets: float = 2.0
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Counters; garbage from the network ends up here, never as an exception."""
+
+    datagrams_received: int = 0
+    datagrams_sent: int = 0
+    data_sent: int = 0
+    data_received: int = 0
+    acks_sent: int = 0
+    truncated: int = 0
+    bad_crc: int = 0
+    malformed: int = 0  #: other WireError (version, ptype, SACK count, init body)
+    bad_tag: int = 0
+    unexpected: int = 0  #: valid packet that does not fit the state (e.g. after failure)
+    duplicate: int = 0
+    out_of_window: int = 0
+    bad_ack: int = 0  #: ACK for data never sent
+    bad_init: int = 0  #: INIT/INIT_ACK inconsistent with the peer we know
+    retransmits: int = 0
+    fast_retransmits: int = 0  #: packets declared lost from SACK information
+    rto_count: int = 0
+    keepalives_sent: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Link:
+    """One reliable link to one peer daemon (see the module docstring).
+
+    Args:
+        config: tunables.
+        rng: source of the tag and ISN (and nothing else).
+        incarnation: this daemon's run identifier, sent in INIT/INIT_ACK.
+        path_id: carried in every header (multi-path: one Link per path).
+    """
+
+    def __init__(self, config: LinkConfig, *, rng: random.Random, incarnation: int,
+                 path_id: int = 0) -> None:
+        self.config = config
+        self.incarnation = incarnation
+        self.path_id = path_id
+        self.state = LinkState.IDLE
+        self.stats = LinkStats()
+        self.tag = rng.randrange(1, _FULL)
+        self.isn = rng.randrange(_FULL)
+        self.peer_tag = 0
+        self.peer_isn = 0
+        self.peer_incarnation: int | None = None
+        self.peer_max_payload = config.max_payload
+        self._events: deque[LinkEvent] = deque()
+        self._out: list[bytes] = []
+        mss = config.max_payload + wl.OVERHEAD
+        self.cc = create(config.cc, mss, config.cc_params)
+        self.pacer = Pacer(config.pacing_burst_packets * mss)
+        self.rtt = RttEstimator(config.initial_rto_s, config.min_rto_s, config.max_rto_s)
+        # sender
+        self.recovery = Recovery(config.reorder_threshold)
+        self._next_n = 0  # number the next send() gets
+        self._snd_nxt = 0  # lowest never-transmitted message
+        self.peer_rwnd = 0
+        self._rto_deadline: float | None = None
+        self._rto_backoff = 1
+        self._consecutive_rto = 0
+        self._pace_deadline: float | None = None
+        # receiver
+        self.rcv_nxt = 0
+        self._ooo: dict[int, bytes] = {}
+        self._ranges: list[list[int]] = []  # sorted disjoint [start, end) above rcv_nxt
+        self._recent: list[int] = []  # out-of-order arrivals, most recent first (<= 4)
+        self._delivered: list[bytes] = []
+        self._ack_count = 0
+        self._ack_now = False
+        self._ack_deadline: float | None = None
+        self._last_rx_ts = 0
+        self._last_rx_time = 0.0
+        self._window_was_short = False
+        # handshake and liveness
+        self._hs_deadline: float | None = None
+        self._hs_tries = 0
+        self._last_heard = 0.0
+        self._last_keepalive = -INF
+
+    # --- public properties --------------------------------------------------
+
+    @property
+    def acked(self) -> int:
+        """All messages numbered below this are acknowledged by the peer."""
+        return self.recovery.una
+
+    @property
+    def srtt_s(self) -> float | None:
+        return self.rtt.srtt_s
+
+    @property
+    def cwnd_bytes(self) -> float:
+        return self.cc.cwnd_bytes
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return self.recovery.bytes_in_flight
+
+    # --- opening and closing ------------------------------------------------
+
+    def connect(self, now: float) -> None:
+        """Active open: send INIT.
+
+        Raises:
+            RuntimeError: the link was already opened, closed or failed.
+        """
+        if self.state != LinkState.IDLE:
+            raise RuntimeError(f"connect() in state {self.state.name}")
+        self.state = LinkState.INIT_SENT
+        self._last_heard = now
+        self._send_handshake(now)
+
+    def close(self, now: float) -> None:
+        """Abortive close: send ABORT (if the peer is known) and emit LinkClosed.
+        Safe to call twice."""
+        if self.state in (LinkState.CLOSED, LinkState.FAILED):
+            return
+        if self.peer_tag:
+            self._out.append(self._control(_ABORT, 0, now))
+        self.state = LinkState.CLOSED
+        self._events.append(LinkClosed())
+
+    def _fail(self, reason: str) -> None:
+        if self.state in (LinkState.CLOSED, LinkState.FAILED):
+            return
+        self.state = LinkState.FAILED
+        self._events.append(LinkFailed(reason))
+
+    def _init_body(self) -> bytes:
+        c = self.config
+        return wl.encode_init(wl.LinkInit(self.tag, self.isn, c.max_payload,
+                                          min(c.rwnd_packets, 0xFFFF), self.incarnation))
+
+    def _handshake_packet(self, ptype: int, now: float) -> bytes:
+        # INIT goes to an unknown tag (0) and echoes nothing; INIT_ACK
+        # answers an INIT, so it is addressed with the peer's tag and echoes.
+        init = ptype == _INIT
+        h = _Header(ptype, 0, self.path_id, 0 if init else self.peer_tag, self.isn, 0,
+                    int(now * 1e6) & _U32, 0 if init else self._echo(now),
+                    min(self.config.rwnd_packets, 0xFFFF))
+        return _encode(h, self._init_body())
+
+    def _send_handshake(self, now: float) -> None:
+        # INIT while we do not know the peer; INIT_ACK (which also carries our
+        # tag and ISN) once we do.  Retransmitted with back-off by the timer.
+        ptype = _INIT if self.state == LinkState.INIT_SENT else _INIT_ACK
+        self._out.append(self._handshake_packet(ptype, now))
+        self._hs_deadline = now + self.config.initial_rto_s * (1 << self._hs_tries)
+
+    def _learn_peer(self, init: wl.LinkInit) -> bool:
+        """Record the peer's INIT body; False if it contradicts what we know."""
+        if self.peer_incarnation is not None:
+            if init.incarnation != self.peer_incarnation:
+                self._fail("peer_restarted")
+                return False
+            if init.tag != self.peer_tag or init.isn != self.peer_isn:
+                self.stats.bad_init += 1
+                return False
+            return True
+        if init.tag == 0:
+            self.stats.bad_init += 1
+            return False
+        self.peer_tag = init.tag
+        self.peer_isn = init.isn
+        self.peer_incarnation = init.incarnation
+        self.peer_max_payload = min(init.max_payload, self.config.max_payload)
+        self.peer_rwnd = init.rwnd
+        return True
+
+    def _establish(self, now: float) -> None:
+        self.state = LinkState.ESTABLISHED
+        self._hs_deadline = None
+        self._hs_tries = 0
+        self._events.append(LinkUp(self.peer_incarnation or 0))
+
+    # --- input --------------------------------------------------------------
+
+    def datagram_received(self, data: bytes | bytearray | memoryview, now: float) -> None:
+        """Process one datagram from the peer.  Never raises on bad input."""
+        stats = self.stats
+        stats.datagrams_received += 1
+        try:
+            h, body = _decode(data)
+        except WireError as e:
+            if e.reason == "bad_crc":
+                stats.bad_crc += 1
+            elif e.reason == "truncated":
+                stats.truncated += 1
+            else:
+                stats.malformed += 1
+            return
+        ptype = h.ptype
+        state = self.state
+        if ptype == _INIT or ptype == _INIT_ACK:
+            self._handshake_received(h, body, now)
+            return
+        if h.conn_tag != self.tag:
+            stats.bad_tag += 1
+            return
+        if state != LinkState.ESTABLISHED:
+            if state == LinkState.INIT_RECEIVED:
+                self._establish(now)  # the peer used our tag: it knows us
+            else:
+                stats.unexpected += 1
+                return
+        if ptype == _ABORT:
+            self._fail("abort_received")
+            return
+        self._heard(h.ts_us, now)
+        self._process_ack(h, now)
+        if ptype == _DATA:
+            self._data_received(h, body)
+        elif ptype == _KEEPALIVE:
+            self._ack_now = True
+
+    def _handshake_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:
+        stats = self.stats
+        state = self.state
+        if state >= LinkState.CLOSED:
+            stats.unexpected += 1
+            return
+        try:
+            init = wl.decode_init_untrusted(body)
+        except WireError:
+            stats.malformed += 1
+            return
+        if h.ptype == _INIT:
+            if h.conn_tag != 0:
+                stats.bad_tag += 1
+                return
+            if not self._learn_peer(init):
+                return
+            self._last_heard = now
+            self._last_rx_ts = h.ts_us
+            self._last_rx_time = now
+            if state == LinkState.ESTABLISHED:
+                # Our INIT_ACK was lost (or crossed): answer again, no timer.
+                self._out.append(self._handshake_packet(_INIT_ACK, now))
+                return
+            if state != LinkState.INIT_RECEIVED or self._hs_deadline is None:
+                self._hs_tries = 0
+            self.state = LinkState.INIT_RECEIVED
+            self._send_handshake(now)
+            return
+        # INIT_ACK: addressed with our tag, so the peer knows us.
+        if h.conn_tag != self.tag:
+            stats.bad_tag += 1
+            return
+        if state == LinkState.IDLE:
+            stats.unexpected += 1
+            return
+        if not self._learn_peer(init):
+            return
+        self._heard(h.ts_us, now)
+        if state != LinkState.ESTABLISHED:
+            # INIT_ACK always echoes the INIT it answers.  The handshake
+            # crossed the path before our data queued on it: the best
+            # base-RTT sample a delay-based controller will get.
+            s = self._rtt_sample(h.ts_echo_us, now)
+            if s is not None:
+                self.cc.on_packets_acked(0, s, now)
+            self._establish(now)
+        # An ACK proves to the peer that we know its tag (it may be waiting
+        # in INIT_RECEIVED).
+        self._ack_now = True
+
+    def _heard(self, ts_us: int, now: float) -> None:
+        # Liveness, and what the next echo will return (the echo rule).
+        self._last_heard = now
+        self._last_rx_ts = ts_us
+        self._last_rx_time = now
+
+    def _rtt_sample(self, echo: int, now: float) -> float | None:
+        d = (int(now * 1e6) - echo) & _U32
+        if d >= _HALF:
+            return None
+        s = d * 1e-6
+        self.rtt.update(s)
+        return s
+
+    def _process_ack(self, h: wl.LinkHeader, now: float) -> None:
+        rec = self.recovery
+        una = rec.una
+        base = self.isn + una
+        cum = una + ((h.ack - base) & _U32)
+        snd_nxt = self._snd_nxt
+        if cum > snd_nxt:
+            d = (h.ack - base) & _U32
+            if d >= _HALF:
+                cum = una  # an old ACK, reordered: nothing new
+            else:
+                self.stats.bad_ack += 1
+                return
+        self.peer_rwnd = h.rwnd
+        sacks: list[tuple[int, int]] = []
+        if h.sack:
+            for s, e in h.sack:
+                ds = (s - base) & _U32
+                de = (e - base) & _U32
+                if ds < de <= snd_nxt - una:
+                    sacks.append((una + ds, una + de))
+        if cum == una and not sacks:
+            if self.rtt.srtt_s is None:
+                s = self._rtt_sample(h.ts_echo_us, now)  # the passive opener's first sample
+                if s is not None:
+                    self.cc.on_packets_acked(0, s, now)
+            return
+        nlost = len(rec.lost)
+        acked, lost = rec.on_ack(cum, sacks)
+        if not acked and not lost:
+            return
+        rtt_s = None
+        if acked:
+            rtt_s = self._rtt_sample(h.ts_echo_us, now)
+        cc = self.cc
+        if lost:
+            self.stats.fast_retransmits += len(rec.lost) - nlost
+            cc.on_packets_lost(lost, now)
+        if acked:
+            cc.on_packets_acked(acked, rtt_s, now)
+        self.pacer.rate_Bps = cc.pacing_rate_Bps(self.rtt.srtt_s)
+        if cum > una:
+            # RFC 6298 §5.3: restart the timer on new cumulative ACK; progress
+            # ends any back-off (§5.7) and the consecutive-RTO count.
+            self._rto_backoff = 1
+            self._consecutive_rto = 0
+            self._rto_deadline = now + self.rtt.rto_s if rec.inflight else None
+        elif not rec.inflight:
+            self._rto_deadline = None
+
+    def _data_received(self, h: wl.LinkHeader, body: memoryview) -> None:
+        stats = self.stats
+        rcv_nxt = self.rcv_nxt
+        d = (h.seq - self.peer_isn - rcv_nxt) & _U32
+        window = self.config.rwnd_packets - len(self._delivered)
+        if d >= _HALF:
+            stats.duplicate += 1  # below rcv_nxt: already delivered
+            self._ack_now = True
+            return
+        if d >= window:
+            stats.out_of_window += 1
+            self._ack_now = True
+            return
+        stats.data_received += 1
+        if h.flags & _ACK_NOW:
+            self._ack_now = True
+        if d == 0:
+            delivered = self._delivered
+            delivered.append(bytes(body))
+            rcv_nxt += 1
+            ranges = self._ranges
+            if ranges and ranges[0][0] == rcv_nxt:
+                # Filled a hole: hand over the run behind it, ACK at once
+                # (RFC 5681 §4.2) so the sender learns quickly.
+                end = ranges.pop(0)[1]
+                ooo = self._ooo
+                for n in range(rcv_nxt, end):
+                    delivered.append(ooo.pop(n))
+                rcv_nxt = end
+                self._ack_now = True
+            self.rcv_nxt = rcv_nxt
+            self._ack_count += 1
+            if self._ack_count >= self.config.ack_every:
+                self._ack_now = True
+            return
+        n = rcv_nxt + d
+        ooo = self._ooo
+        ranges = self._ranges
+        recent = self._recent
+        if ranges and ranges[-1][1] == n:
+            # Continues the highest run beyond a hole: nothing the sender
+            # does not already know (the hole was reported when it opened),
+            # so the normal every-`ack_every` rule applies; this halves the
+            # ACKs of a lossy bulk transfer.
+            ooo[n] = bytes(body)
+            ranges[-1][1] = n + 1
+            if recent and recent[0] == n - 1:
+                recent[0] = n
+            else:
+                self._note_recent(n)
+            self._ack_count += 1
+            if self._ack_count >= self.config.ack_every:
+                self._ack_now = True
+            return
+        self._note_recent(n)
+        self._ack_now = True  # out of order: ACK at once with SACK (RFC 5681 §4.2)
+        if n in ooo:
+            stats.duplicate += 1  # a D-SACK-like hint: its block is reported first
+            return
+        ooo[n] = bytes(body)
+        i = bisect.bisect_left(ranges, [n + 1])  # first range starting after n
+        if i and ranges[i - 1][1] == n:
+            ranges[i - 1][1] = n + 1
+            if i < len(ranges) and ranges[i][0] == n + 1:
+                ranges[i - 1][1] = ranges.pop(i)[1]
+        elif i < len(ranges) and ranges[i][0] == n + 1:
+            ranges[i][0] = n
+        else:
+            ranges.insert(i, [n, n + 1])
+
+    def _note_recent(self, n: int) -> None:
+        recent = self._recent
+        if n in recent:
+            recent.remove(n)
+        recent.insert(0, n)
+        if len(recent) > wl.MAX_SACK_BLOCKS:
+            recent.pop()
+
+    # --- the receive side's outputs -----------------------------------------
+
+    def drain_received(self) -> list[bytes]:
+        """Messages delivered in order, exactly once, since the last call."""
+        out = self._delivered
+        if not out:
+            return out
+        self._delivered = []
+        # If the window we advertised was small, tell the peer it reopened.
+        if len(out) * 2 >= self.config.rwnd_packets:
+            self._ack_now = True
+        return out
+
+    def _echo(self, now: float) -> int:
+        # The echo rule: the ts we last received plus how long we held it.
+        return (self._last_rx_ts + int((now - self._last_rx_time) * 1e6)) & _U32
+
+    def _sack_blocks(self) -> tuple[tuple[int, int], ...]:
+        # RFC 2018 §4: the first block holds the most recent arrival, the
+        # others repeat the most recently reported ranges, so each range is
+        # reported in several ACKs and survives ACK loss.  Then the lowest
+        # ranges (the holes the sender must fill first).
+        ranges = self._ranges
+        starts = self._range_starts()
+        blocks: list[tuple[int, int]] = []
+        seen: list[int] = []
+        base = self.peer_isn
+        for n in self._recent:
+            i = bisect.bisect_right(starts, n) - 1
+            if i < 0 or i in seen:
+                continue
+            r = ranges[i]
+            if r[1] <= n:
+                continue  # n has since been delivered
+            seen.append(i)
+            blocks.append(((base + r[0]) & _U32, (base + r[1]) & _U32))
+        i = 0
+        while len(blocks) < wl.MAX_SACK_BLOCKS and i < len(ranges):
+            if i not in seen:
+                r = ranges[i]
+                blocks.append(((base + r[0]) & _U32, (base + r[1]) & _U32))
+            i += 1
+        return tuple(blocks)
+
+    def _range_starts(self) -> list[int]:
+        return [r[0] for r in self._ranges]
+
+    def _advertised_window(self) -> int:
+        w = self.config.rwnd_packets - len(self._delivered)
+        return 0 if w < 0 else 0xFFFF if w > 0xFFFF else w
+
+    def _control(self, ptype: int, flags: int, now: float) -> bytes:
+        h = _Header(ptype, flags, self.path_id, self.peer_tag,
+                    (self.isn + self._snd_nxt) & _U32,
+                    (self.peer_isn + self.rcv_nxt) & _U32,
+                    int(now * 1e6) & _U32, self._echo(now), self._advertised_window(),
+                    self._sack_blocks() if self._ranges else ())
+        return _encode(h)
+
+    # --- sending ------------------------------------------------------------
+
+    def send(self, message: bytes | bytearray | memoryview, now: float) -> int:
+        """Queue one message; returns its number n (0, 1, 2, ...).
+
+        Raises:
+            ValueError: longer than ``config.max_payload``.
+            RuntimeError: the link is closed or failed.
+        """
+        if len(message) > self.config.max_payload:
+            raise ValueError(f"message of {len(message)} bytes > max_payload {self.config.max_payload}")
+        if self.state >= LinkState.CLOSED:
+            raise RuntimeError(f"send() on a {self.state.name} link")
+        n = self._next_n
+        self.recovery.messages[n] = bytes(message)
+        self._next_n = n + 1
+        return n
+
+    def send_space(self) -> int:
+        """How many more messages the link wants queued now."""
+        s = self.config.send_buffer_packets - (self._next_n - self.recovery.una)
+        return s if s > 0 else 0
+
+    def datagrams_to_send(self, now: float) -> list[bytes]:
+        """Complete link packets that may leave now (cwnd, rwnd and pacing respected)."""
+        out = self._out
+        self._out = []
+        self._pace_deadline = None
+        if self.state != LinkState.ESTABLISHED:
+            self.stats.datagrams_sent += len(out)
+            return out
+        rec = self.recovery
+        lost = rec.lost
+        snd_nxt = self._snd_nxt
+        limit = self._next_n
+        if limit > rec.una + self.peer_rwnd:
+            limit = rec.una + self.peer_rwnd  # the peer's receive window
+        stats = self.stats
+        sent = 0
+        if lost or snd_nxt < limit:
+            messages = rec.messages
+            cwnd = self.cc.cwnd_bytes
+            pacer = self.pacer
+            overhead = wl.OVERHEAD
+            ts = int(now * 1e6) & _U32
+            ack = (self.peer_isn + self.rcv_nxt) & _U32
+            echo = self._echo(now)
+            rwnd = self._advertised_window()
+            sack = self._sack_blocks() if self._ranges else ()
+            hdr = partial(_Header, _DATA)
+            tail = (self.path_id, self.peer_tag)
+            isn = self.isn
+            next_n = self._next_n
+            while True:
+                retx = False
+                if lost:
+                    n = rec.next_lost()
+                    if n is not None:
+                        retx = True
+                    elif snd_nxt < limit:
+                        n = snd_nxt
+                    else:
+                        break
+                elif snd_nxt < limit:
+                    n = snd_nxt
+                else:
+                    break
+                body = messages[n]
+                size = len(body) + overhead
+                inflight = rec.bytes_in_flight
+                cwnd_ok = not inflight or inflight + size <= cwnd
+                if not cwnd_ok or now < pacer.next_send_s:
+                    if retx:
+                        lost.appendleft(n)
+                    if cwnd_ok:  # only the pacer holds it back: wake then
+                        self._pace_deadline = pacer.next_send_s
+                    break
+                if retx:
+                    stats.retransmits += 1
+                    flags = _RETX | _ACK_NOW
+                else:
+                    snd_nxt = n + 1
+                    # ACK_NOW on the last queued message, so the peer does
+                    # not hold the ACK of a burst's tail for max_ack_delay_s.
+                    flags = _ACK_NOW if snd_nxt >= next_n else 0
+                out.append(_encode(hdr(flags, *tail, (isn + n) & _U32, ack, ts, echo, rwnd, sack), body))
+                rec.on_sent(n, size, retx)
+                pacer.on_sent(size, now)
+                sent += 1
+            self._snd_nxt = snd_nxt
+        if sent:
+            stats.data_sent += sent
+            self._ack_count = 0
+            self._ack_now = False
+            self._ack_deadline = None
+            if self._rto_deadline is None:
+                self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff
+        elif self._ack_now or (self._ack_deadline is not None and now >= self._ack_deadline):
+            out.append(self._control(_ACK, 0, now))
+            stats.acks_sent += 1
+            self._ack_count = 0
+            self._ack_now = False
+            self._ack_deadline = None
+        elif self._ack_count and self._ack_deadline is None:
+            self._ack_deadline = now + self.config.max_ack_delay_s
+        stats.datagrams_sent += len(out)
+        return out
+
+    # --- timers -------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """The earliest time ``timer_fired`` must be called, or None."""
+        state = self.state
+        if state == LinkState.ESTABLISHED:
+            c = self.config
+            t = self._last_heard + c.dead_peer_s
+            k = max(self._last_heard, self._last_keepalive) + c.keepalive_idle_s
+            if k < t:
+                t = k
+            for d in (self._rto_deadline, self._ack_deadline, self._pace_deadline):
+                if d is not None and d < t:
+                    t = d
+            return t
+        if state in (LinkState.INIT_SENT, LinkState.INIT_RECEIVED):
+            return self._hs_deadline
+        return None
+
+    def timer_fired(self, now: float) -> None:
+        """Handle every deadline that has passed at ``now``."""
+        state = self.state
+        c = self.config
+        if state in (LinkState.INIT_SENT, LinkState.INIT_RECEIVED):
+            if self._hs_deadline is not None and now >= self._hs_deadline:
+                if self._hs_tries >= c.max_init_retransmits:
+                    self._fail("handshake_timeout")
+                    return
+                self._hs_tries += 1
+                self._send_handshake(now)
+            return
+        if state != LinkState.ESTABLISHED:
+            return
+        if now >= self._last_heard + c.dead_peer_s:
+            self._fail("dead_peer")
+            return
+        if now >= max(self._last_heard, self._last_keepalive) + c.keepalive_idle_s:
+            self._last_keepalive = now
+            self._out.append(self._control(_KEEPALIVE, _ACK_NOW, now))
+            self.stats.keepalives_sent += 1
+        if self._ack_deadline is not None and now >= self._ack_deadline:
+            self._ack_now = True
+        if self._rto_deadline is not None and now >= self._rto_deadline:
+            self._on_rto(now)
+
+    def _on_rto(self, now: float) -> None:
+        self._rto_deadline = None
+        if self._consecutive_rto >= self.config.max_retransmits:
+            self._fail("retransmit_budget")
+            return
+        self._consecutive_rto += 1
+        self._rto_backoff *= 2  # RFC 6298 §5.5
+        self.stats.rto_count += 1
+        self.recovery.on_rto()
+        self.cc.on_rto(now)
+        self.pacer.rate_Bps = self.cc.pacing_rate_Bps(self.rtt.srtt_s)
+        self.pacer.next_send_s = -INF  # the retransmission leaves at once (§5.4)
+
+    # --- events -------------------------------------------------------------
+
+    def next_event(self) -> LinkEvent | None:
+        """Pop the next control event, or None."""
+        return self._events.popleft() if self._events else None

@@ -1,0 +1,190 @@
+"""Loss recovery: RTT estimation, the sent-packet table, loss detection, RTO.
+
+Theory of operation
+-------------------
+Every upper-layer message has a number ``n`` (0, 1, 2, ...; the wire sequence
+number is ``isn + n`` modulo 2**32).  :class:`Recovery` keeps the messages the
+peer has not cumulatively acknowledged, and for those in flight the
+*transmission id* of their latest transmission: a counter that grows with
+every packet sent, first sends and retransmissions alike (QUIC's packet
+number, RFC 9002 §2, carried only in our memory).  Loss detection is then
+QUIC's packet threshold (RFC 9002 §6.1.1): a packet is lost when one sent at
+least ``reorder_threshold`` transmissions later has been acknowledged
+(cumulatively or by a SACK block, RFC 2018).  Using transmission ids rather
+than sequence numbers makes a lost *retransmission* detectable the same way,
+without waiting for the RTO.
+
+The send-order queue is scanned only from its head and stale entries are
+dropped lazily, so an ACK costs O(newly acknowledged + newly lost), never a
+scan of the whole window.
+
+:class:`RttEstimator` is RFC 6298 §2: SRTT, RTTVAR, RTO clamped to
+``[min_rto_s, max_rto_s]``; back-off (RFC 6298 §5.5) is kept by the link.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class RttEstimator:
+    """RFC 6298 smoothed RTT and retransmission timeout."""
+
+    __slots__ = ("srtt_s", "rttvar_s", "latest_s", "min_s", "rto_s", "min_rto_s", "max_rto_s")
+
+    def __init__(self, initial_rto_s: float, min_rto_s: float, max_rto_s: float) -> None:
+        self.srtt_s: float | None = None
+        self.rttvar_s = 0.0
+        self.latest_s = 0.0
+        self.min_s = float("inf")
+        self.rto_s = initial_rto_s  # RFC 6298 §2.1: before any sample
+        self.min_rto_s = min_rto_s
+        self.max_rto_s = max_rto_s
+
+    def update(self, rtt_s: float) -> None:
+        """Feed one RTT sample (seconds)."""
+        self.latest_s = rtt_s
+        if rtt_s < self.min_s:
+            self.min_s = rtt_s
+        srtt = self.srtt_s
+        if srtt is None:
+            srtt = rtt_s  # RFC 6298 §2.2
+            self.rttvar_s = rtt_s / 2
+        else:
+            # RFC 6298 §2.3, alpha = 1/8, beta = 1/4
+            self.rttvar_s = 0.75 * self.rttvar_s + 0.25 * abs(srtt - rtt_s)
+            srtt = 0.875 * srtt + 0.125 * rtt_s
+        self.srtt_s = srtt
+        rto = srtt + 4 * self.rttvar_s
+        self.rto_s = self.min_rto_s if rto < self.min_rto_s else self.max_rto_s if rto > self.max_rto_s else rto
+
+
+class Recovery:
+    """The sender's table of unacknowledged messages and its loss detector.
+
+    Attributes:
+        messages: n -> payload for every message queued and not cumulatively
+            acknowledged (the retransmission buffer).
+        una: lowest unacknowledged message number (the link's ``acked``).
+        inflight: n -> (transmission id, size, id credited on delivery or -1)
+            for packets in flight.
+        sacked: message numbers above ``una`` the peer reported by SACK.
+        lost: message numbers to retransmit, oldest first (may hold stale
+            entries; :meth:`next_lost` skips them).
+        bytes_in_flight: sum of sizes in ``inflight``.
+    """
+
+    __slots__ = ("messages", "una", "inflight", "sacked", "lost", "bytes_in_flight",
+                 "_order", "_tx_next", "_sack_from_start", "_sack_from_end", "max_delivered_tx", "reorder_threshold")
+
+    def __init__(self, reorder_threshold: int = 3) -> None:
+        self.messages: dict[int, bytes] = {}
+        self.una = 0
+        self.inflight: dict[int, tuple[int, int, int]] = {}
+        self.sacked: set[int] = set()
+        self.lost: deque[int] = deque()
+        self.bytes_in_flight = 0
+        self._order: deque[tuple[int, int]] = deque()  # (tx id, n), send order
+        self._tx_next = 0
+        self._sack_from_start: dict[int, int] = {}  # block start -> end already applied
+        self._sack_from_end: dict[int, int] = {}  # block end -> start already applied
+        self.max_delivered_tx = -1
+        self.reorder_threshold = reorder_threshold
+
+    def on_sent(self, n: int, size: int, retransmission: bool = False) -> None:
+        """Message ``n`` left in a packet of ``size`` bytes."""
+        tx = self._tx_next
+        self._tx_next = tx + 1
+        # An ACK for a retransmitted message is ambiguous (which copy
+        # arrived?  Karn's problem): crediting the newest transmission when a
+        # late original arrived would declare everything sent in between lost.
+        # So a retransmission's delivery never advances max_delivered_tx.
+        self.inflight[n] = (tx, size, -1 if retransmission else tx)
+        self._order.append((tx, n))
+        self.bytes_in_flight += size
+
+    def on_ack(self, cum: int, sacks: list[tuple[int, int]]) -> tuple[int, int]:
+        """Apply a cumulative ACK (all n < ``cum``) and SACK ranges [start, end).
+
+        The caller has checked ``una <= cum <= next unsent`` and clipped the
+        SACK ranges to the sent range.  Returns ``(acked_bytes, lost_bytes)``:
+        bytes newly acknowledged and bytes newly declared lost.
+        """
+        inflight = self.inflight
+        messages = self.messages
+        sacked = self.sacked
+        acked = 0
+        maxtx = self.max_delivered_tx
+        if cum > self.una:
+            for n in range(self.una, cum):
+                del messages[n]
+                info = inflight.pop(n, None)
+                if info is not None:
+                    acked += info[1]
+                    if info[2] > maxtx:
+                        maxtx = info[2]
+                elif sacked:
+                    sacked.discard(n)
+            self.una = cum
+        memo_s = self._sack_from_start
+        memo_e = self._sack_from_end
+        for start, end in sacks:
+            # SACK blocks repeat across ACKs (RFC 2018 §4); walk only the
+            # part of this block no earlier block with the same start or end
+            # covered, so a repeated block costs O(1).
+            lo = memo_s.get(start, start)
+            hi = memo_e.get(end, end)
+            memo_s[start] = end
+            memo_e[end] = start
+            if lo < cum:
+                lo = cum
+            for n in range(lo, hi):
+                info = inflight.pop(n, None)
+                if info is not None:
+                    sacked.add(n)
+                    acked += info[1]
+                    if info[2] > maxtx:
+                        maxtx = info[2]
+        if len(memo_s) > 64:
+            self._sack_from_start = {k: v for k, v in memo_s.items() if v > cum}
+            self._sack_from_end = {k: v for k, v in memo_e.items() if k > cum}
+        self.bytes_in_flight -= acked
+        self.max_delivered_tx = maxtx
+        # QUIC packet threshold on transmission ids (RFC 9002 §6.1.1).
+        threshold = maxtx - self.reorder_threshold
+        order = self._order
+        lost_bytes = 0
+        while order:
+            tx, n = order[0]
+            info = inflight.get(n)
+            if info is None or info[0] != tx:
+                order.popleft()  # acknowledged or re-sent since: stale
+                continue
+            if tx > threshold:
+                break
+            order.popleft()
+            del inflight[n]
+            lost_bytes += info[1]
+            self.lost.append(n)
+        self.bytes_in_flight -= lost_bytes
+        return acked, lost_bytes
+
+    def on_rto(self) -> int:
+        """Declare everything in flight lost (RFC 6298 §5.4 onwards, with SACK:
+        resend every un-SACKed packet).  Returns the number of packets."""
+        pending = set(self.inflight)
+        pending.update(n for n in self.lost if n >= self.una and n not in self.sacked)
+        self.lost = deque(sorted(pending))
+        self.inflight.clear()
+        self._order.clear()
+        self.bytes_in_flight = 0
+        return len(pending)
+
+    def next_lost(self) -> int | None:
+        """Pop the oldest message still needing a retransmission, or None."""
+        lost = self.lost
+        while lost:
+            n = lost.popleft()
+            if n >= self.una and n not in self.sacked and n not in self.inflight:
+                return n
+        return None
