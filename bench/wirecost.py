@@ -12,9 +12,8 @@ Three configurations do the same work:
 
 * ``construct``: the reference declarations (``LINK_HEADER``, ``ENVELOPE``,
   ``RDMAP_SEGMENT``), parsed and built as declared;
-* ``construct-compiled``: the same after ``.compile()``, where construct can
-  compile them (the checks written as lambdas may not compile; such a row
-  says so);
+* ``construct-compiled``: the same after ``.compile()`` (a row says so if
+  construct cannot compile a declaration);
 * ``fast``: what the daemon and transport ship, ``segment.pack_tagged_into``
   + ``link.encode`` to build, ``link.decode_untrusted`` +
   ``segment.decode_untrusted`` to parse and check.
@@ -64,8 +63,8 @@ def construct_codec(link_c: c.Construct, env_c: c.Construct, seg_c: c.Construct)
 
     def build(payload: bytes) -> bytes:
         seg = seg_c.build(
-            dict(ddp=dict(T=True, L=True), rdmap=dict(opcode=Opcode.RDMA_WRITE), tagged=dict(stag=STAG, to=TO),
-                 untagged=None, payload=payload)
+            dict(ddp=dict(T=True, L=True), rdmap=dict(opcode=int(Opcode.RDMA_WRITE)), buffer=dict(stag=STAG, to=TO),
+                 payload=payload)
         )
         out = link_c.build(link_fields) + env_c.build(env_fields) + seg
         return out + crc.crc32c(out).to_bytes(4, "big")

@@ -211,37 +211,46 @@ RDMAP_CONTROL = c.BitStruct(
 )
 
 
-def _ref_length_ok(ctx: c.Container) -> bool:
-    op = ctx.rdmap.opcode
-    if op not in SINGLE_SEGMENT:
-        return True
-    if not ctx.ddp.L or ctx.untagged.mo != 0:
-        return False
-    n = len(ctx.payload)
-    want = SINGLE_SEGMENT[op]
-    return TERMINATE_MIN_LEN <= n <= TERMINATE_MAX_LEN if want is None else n == want
+_op = c.this.rdmap.opcode
+_uop = c.this._.rdmap.opcode  # the opcode, seen from inside the buffer-model part
+_U32 = c.Int32ub
 
-
-#: A whole DDP segment carrying RDMAP: RFC 5041 §6 with RFC 5040 §4.1-4.2 rules.
+#: A whole DDP segment carrying RDMAP: RFC 5041 §6 with the RFC 5040 §4.1-4.2
+#: and RFC 7306 §8.1 rules.  Written with ``this`` expressions only (no
+#: lambdas) so that ``.compile()`` works on it.
 RDMAP_SEGMENT = c.Struct(
     "ddp" / ddp.DDP_CONTROL,
     "rdmap" / RDMAP_CONTROL,
-    c.Check(lambda ctx: ctx.rdmap.opcode in OPCODE_QN or ctx.rdmap.opcode in TAGGED_OPCODES),
-    c.Check(lambda ctx: bool(ctx.ddp.T) == (ctx.rdmap.opcode in TAGGED_OPCODES)),
-    "tagged" / c.If(c.this.ddp.T, c.Struct("stag" / c.Int32ub, "to" / c.Int64ub)),
-    "untagged" / c.If(
-        lambda ctx: not ctx.ddp.T,
-        c.Struct(
-            "inv_stag" / c.Int32ub,
-            c.Check(lambda ctx: ctx.inv_stag == 0 or ctx._.rdmap.opcode in INVALIDATE_OPCODES),
-            "qn" / c.Int32ub,
-            c.Check(lambda ctx: ctx.qn == OPCODE_QN[ctx._.rdmap.opcode]),
-            "msn" / c.Int32ub,
-            "mo" / c.Int32ub,
+    c.Check(_op <= max(Opcode).value),  # opcodes are 0000b..1011b, no gaps
+    c.Check(c.this.ddp.T == ((_op == Opcode.RDMA_WRITE.value) | (_op == Opcode.RDMA_READ_RESPONSE.value))),
+    "buffer" / c.IfThenElse(
+        c.this.ddp.T,
+        c.Struct("stag" / _U32, "to" / c.Int64ub),  # RFC 5041 §6.2
+        c.Struct(  # RFC 5041 §6.3
+            "inv_stag" / _U32,  # RsvdULP[8:39]: only Send with Invalidate uses it
+            c.Check(
+                (c.this.inv_stag == 0)
+                | (_uop == Opcode.SEND_INVALIDATE.value)
+                | (_uop == Opcode.SEND_SE_INVALIDATE.value)
+            ),
+            "qn" / c.Switch(_uop, {int(op): c.Const(int(qn), _U32) for op, qn in OPCODE_QN.items()}),
+            "msn" / _U32,
+            "mo" / _U32,
+            # Read Request and the Terminate / RFC 7306 messages are one segment.
+            c.Check(
+                ((_uop != Opcode.RDMA_READ_REQUEST.value) & (_uop < Opcode.TERMINATE.value))
+                | (c.this._.ddp.L & (c.this.mo == 0))
+            ),
         ),
     ),
-    "payload" / c.GreedyBytes,
-    c.Check(_ref_length_ok),
+    "payload" / c.Switch(
+        _op, {int(op): c.Bytes(size) for op, size in SINGLE_SEGMENT.items() if size}, default=c.GreedyBytes
+    ),
+    c.Check(
+        (_op != Opcode.TERMINATE.value)
+        | ((c.len_(c.this.payload) >= TERMINATE_MIN_LEN) & (c.len_(c.this.payload) <= TERMINATE_MAX_LEN))
+    ),
+    c.Terminated,
 )
 
 READ_REQUEST = c.Struct(  # RFC 5040 §4.4
@@ -578,22 +587,25 @@ def encode_untagged(
     return bytes(buf)
 
 
-def decode_reference(buf: bytes) -> tuple[TaggedHeader | UntaggedHeader, bytes]:
+def decode_reference(
+    buf: bytes, declaration: c.Construct = RDMAP_SEGMENT
+) -> tuple[TaggedHeader | UntaggedHeader, bytes]:
     """Parse one segment with the ``construct`` declaration alone (slow).
 
-    The tests hold ``decode_untrusted`` to this.
+    The tests hold ``decode_untrusted`` to this; ``declaration`` may be the
+    compiled ``RDMAP_SEGMENT``.
 
     Raises:
         WireError: ``reference`` for anything the declaration rejects.
     """
     try:
-        p = RDMAP_SEGMENT.parse(buf)
-    except (c.ConstructError, KeyError) as e:
+        p = declaration.parse(buf)
+    except (c.ConstructError, KeyError, struct.error) as e:  # compiled parsers raise struct.error
         raise WireError("reference", str(e)) from None
+    b = p.buffer
     if p.ddp.T:
-        return TaggedHeader(p.rdmap.opcode, p.ddp.L, p.tagged.stag, p.tagged.to), p.payload
-    u = p.untagged
-    return UntaggedHeader(p.rdmap.opcode, p.ddp.L, u.inv_stag, u.qn, u.msn, u.mo), p.payload
+        return TaggedHeader(p.rdmap.opcode, p.ddp.L, b.stag, b.to), p.payload
+    return UntaggedHeader(p.rdmap.opcode, p.ddp.L, b.inv_stag, b.qn, b.msn, b.mo), p.payload
 
 
 # --- RDMAP headers carried as payload: fast path -----------------------------
