@@ -369,10 +369,6 @@ class QueuePair:
 
     def flush(self) -> None:
         """Complete everything outstanding and queued with IBV_WC_WR_FLUSH_ERR."""
-        link = self.link
-        acked = link.link.acked if link is not None else 0
-        # Messages the peer acknowledged before the error completed normally.
-        self.complete_acked(acked)
         for wr in self.outstanding:
             if wr.status == W.IBV_WC_SUCCESS:
                 wr.status = W.IBV_WC_WR_FLUSH_ERR
@@ -681,17 +677,18 @@ class QueuePair:
             t = rdmap.Terminate(rdmap.TermLayer.RDMAP, rdmap.RdmapErrorType.REMOTE_OPERATION, 0xFF)
         status = _terminate_status(t)
         victim = self._find_victim(t)
-        acked = self.link.link.acked if self.link is not None else 0
-        for wr in self.outstanding:
-            if wr is victim:
-                wr.status = status
-                wr.done = True
-                break
-            # In-order processing at the peer: everything before the victim was placed.
-            if wr.last_n >= 0 and wr.last_n < acked or wr.done:
-                continue
-            wr.done = True
-        self.complete_acked(acked)
+        if victim is not None:
+            victim.status = status
+            # In-order processing at the peer: everything before the victim was
+            # placed, so it completes normally; everything after it is flushed.
+            q = self.outstanding
+            while q:
+                wr = q.popleft()
+                if wr is not victim:
+                    wr.done = True
+                self._complete(wr)
+                if wr is victim:
+                    break
         self.fatal(f"received Terminate layer={t.layer} etype={t.etype} ecode={t.ecode:#x}")
 
     def _find_victim(self, t: rdmap.Terminate) -> OutWR | None:

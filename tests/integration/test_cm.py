@@ -1,0 +1,128 @@
+"""The rdma_cm-like helper: listen/connect/accept, reject, no listener, disconnect flushes."""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+import trio
+
+from udpverbs import verbs
+from udpverbs.verbs.enums import (
+    IBV_QPS_ERR,
+    IBV_QPS_RTS,
+    IBV_SEND_SIGNALED,
+    IBV_WC_SUCCESS,
+    IBV_WC_WR_FLUSH_ERR,
+    IBV_WR_RDMA_WRITE,
+)
+
+from .conftest import Side
+
+
+@pytest.fixture
+def sides(daemons):
+    a, b = Side(daemons[0]), Side(daemons[1])
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def _accept_in_thread(listener: verbs.CMListener, qp: verbs.QP, reply: bytes, out: dict) -> threading.Thread:
+    def run() -> None:
+        try:
+            req = listener.get_request(timeout=10)
+            out["req"] = req
+            listener.accept(req, qp, private_data=reply)
+        except Exception as e:  # surfaced by the test below
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_connect_accept_then_write(sides, daemons) -> None:
+    a, b = sides
+    with verbs.CMListener(b.ctx, port=7001) as lst:
+        out: dict = {}
+        t = _accept_in_thread(lst, b.qp, b"welcome", out)
+        conn = verbs.connect(a.qp, "127.0.0.3", 7001, udp_port=daemons[1].port, private_data=b"hello" * 100,
+                             ord=2, ird=3, timeout=10)
+        t.join(10)
+    assert "error" not in out, out.get("error")
+    assert out["req"].private_data == b"hello" * 100 and out["req"].remote_qpn == a.qp.qp_num
+    assert out["req"].host == "127.0.0.2" and out["req"].udp_port == daemons[0].port
+    assert (conn.remote_qpn, conn.private_data) == (b.qp.qp_num, b"welcome")
+    attr_a, _ = a.qp.query()
+    attr_b, _ = b.qp.query()
+    assert attr_a.qp_state == attr_b.qp_state == IBV_QPS_RTS
+    assert attr_a.dest_qp_num == b.qp.qp_num and attr_b.dest_qp_num == a.qp.qp_num
+    assert attr_a.max_rd_atomic <= attr_b.max_dest_rd_atomic
+    a.mr.write(b"via cm", 6, 0)
+    wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(a.mr.buf, 6, a.mr.lkey)],
+                      send_flags=IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(b.mr.rkey, b.mr.buf)
+    a.qp.post_send(wr)
+    (wc,) = a.cq.poll_blocking(1, timeout=10)
+    assert wc.status == IBV_WC_SUCCESS and b.mr.read(6, 0) == b"via cm"
+    # Disconnect: both QPs go to ERR, and what is posted afterwards is flushed.
+    verbs.disconnect(a.qp)
+    b.qp.post_recv(verbs.RecvWR(wr_id=9))
+    (rwc,) = b.cq.poll_blocking(1, timeout=10)
+    assert (rwc.wr_id, rwc.status) == (9, IBV_WC_WR_FLUSH_ERR)
+    assert a.qp.query()[0].qp_state == IBV_QPS_ERR and b.qp.query()[0].qp_state == IBV_QPS_ERR
+
+
+def test_no_listener_is_refused(sides, daemons) -> None:
+    a, _ = sides
+    with pytest.raises(verbs.VerbsError) as e:
+        verbs.connect(a.qp, "127.0.0.3", 7999, udp_port=daemons[1].port, timeout=10)
+    assert e.value.error_code == errno.ECONNREFUSED and "nobody listens" in str(e.value)
+
+
+def test_rejected_by_the_application(sides, daemons) -> None:
+    a, b = sides
+    with verbs.CMListener(b.ctx, port=7002) as lst:
+        def run() -> None:
+            lst.reject(lst.get_request(timeout=10), private_data=b"go away")
+
+        t = threading.Thread(target=run)
+        t.start()
+        with pytest.raises(verbs.VerbsError) as e:
+            verbs.connect(a.qp, "127.0.0.3", 7002, udp_port=daemons[1].port, timeout=10)
+        t.join(10)
+    assert e.value.error_code == errno.ECONNREFUSED and e.value.private_data == b"go away"
+
+
+def test_listen_twice_on_a_port(sides) -> None:
+    _, b = sides
+    with verbs.CMListener(b.ctx, port=7003):
+        with pytest.raises(verbs.VerbsError) as e:
+            verbs.CMListener(b.ctx, port=7003)
+        assert e.value.error_code == errno.EADDRINUSE
+
+
+def test_get_request_times_out(sides) -> None:
+    _, b = sides
+    with verbs.CMListener(b.ctx, port=7004) as lst:
+        with pytest.raises(verbs.VerbsError) as e:
+            lst.get_request(timeout=0.2)
+        assert e.value.error_code == errno.ETIMEDOUT
+
+
+async def test_cm_with_trio(sides, daemons) -> None:
+    a, b = sides
+    with verbs.CMListener(b.ctx, port=7005) as lst:
+        async def server() -> None:
+            req = await lst.get_request_async(timeout=10)
+            lst.accept(req, b.qp)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as n:
+                n.start_soon(server)
+                conn = await verbs.connect_async(a.qp, "127.0.0.3", 7005, udp_port=daemons[1].port)
+    assert conn.remote_qpn == b.qp.qp_num
