@@ -9,6 +9,7 @@ Rsv(2)=00b OpCode(4).  So a last tagged segment starts 0xC1, a middle one
 
 from __future__ import annotations
 
+import construct as c
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -257,3 +258,23 @@ def test_untagged_queue_number_follows_opcode(seg: tuple[UntaggedHeader, bytes])
 @given(tagged_segments())
 def test_tagged_segments_are_write_or_read_response(seg: tuple[TaggedHeader, bytes]) -> None:
     assert seg[0].opcode in (Opcode.RDMA_WRITE, Opcode.RDMA_READ_RESPONSE)
+
+
+@SETTINGS
+@given(segments)
+def test_ddp_declarations_read_the_same_fields(seg: tuple[TaggedHeader | UntaggedHeader, bytes]) -> None:
+    # wire/ddp.py's declarations see the RFC 5041 fields; RsvdULP[0:7] is the
+    # RDMAP control byte and RsvdULP[8:39] the Invalidate STag.
+    header, payload = seg
+    wire = encode_segment(header, payload)
+    if isinstance(header, TaggedHeader):
+        p = ddp.DDP_TAGGED_HEADER.parse(wire[:14])
+        assert (p.stag, p.to) == (header.stag, header.to)
+        with pytest.raises(c.ConstructError):
+            ddp.DDP_UNTAGGED_HEADER.parse(wire[:18].ljust(18, b"\0"))
+    else:
+        p = ddp.DDP_UNTAGGED_HEADER.parse(wire[:18])
+        assert (p.rsvdulp_word, p.qn, p.msn, p.mo) == (header.inv_stag, header.qn, header.msn, header.mo)
+        with pytest.raises(c.ConstructError):
+            ddp.DDP_TAGGED_HEADER.parse(wire[:14])
+    assert p.control.L == header.last and p.rsvdulp == 0x40 | header.opcode
