@@ -76,9 +76,9 @@ def pack_into(buf: bytearray | memoryview, offset: int, kind: int, dst_qpn: int,
     """Write an envelope into ``buf`` at ``offset``; return ``ENVELOPE_LEN``.
 
     Raises:
-        ValueError: a field is out of range (a caller bug, not network input).
+        ValueError: an unknown kind or a QPN out of range (a caller bug).
     """
-    if not 0 < kind <= 0xFF or not 0 <= dst_qpn <= MAX_QPN or not 0 <= src_qpn <= MAX_QPN:
+    if not 1 <= kind <= _KIND_MAX or not 0 <= dst_qpn <= MAX_QPN or not 0 <= src_qpn <= MAX_QPN:
         raise ValueError(f"envelope out of range: kind={kind} dst={dst_qpn} src={src_qpn}")
     _ENV.pack_into(buf, offset, (kind << 24) | dst_qpn, src_qpn)
     return ENVELOPE_LEN
