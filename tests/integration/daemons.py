@@ -15,7 +15,7 @@ from typing import Any
 class DaemonProc:
     """One ``python -m udpverbs.daemon`` on a loopback address, ephemeral UDP port."""
 
-    def __init__(self, name: str, addr: str, runtime_dir: str, *, mtu: int = 1472, seed: int = 1,
+    def __init__(self, name: str, addr: str, runtime_dir: str, *, mtu: int | None = 1472, seed: int = 1,
                  extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.addr = addr
@@ -32,8 +32,8 @@ class DaemonProc:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "udpverbs.daemon", "--name", self.name, "--addr", self.addr,
-                 "--port", "0", "--socket", self.socket_path, "--mtu", str(self.mtu), "--seed", str(self.seed),
-                 "--ready-fd", str(w), *self.extra],
+                 "--port", "0", "--socket", self.socket_path, "--seed", str(self.seed),
+                 "--ready-fd", str(w), *(("--mtu", str(self.mtu)) if self.mtu else ()), *self.extra],
                 pass_fds=(w,), stdout=self.log, stderr=self.log,
             )
         finally:

@@ -1,0 +1,185 @@
+"""The verbs objects against one real daemon: lifetimes, control-path errors, the state machine."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from udpverbs import verbs
+from udpverbs.verbs.enums import (
+    IBV_ACCESS_LOCAL_WRITE,
+    IBV_ACCESS_REMOTE_WRITE,
+    IBV_QP_PORT,
+    IBV_QP_STATE,
+    IBV_QPS_INIT,
+    IBV_QPS_RESET,
+    IBV_QPS_RTS,
+    IBV_QPT_RC,
+    IBV_QPT_UD,
+    IBV_WR_RDMA_WRITE,
+)
+
+from ..integration.daemons import DaemonProc
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with tempfile.TemporaryDirectory(prefix="udpverbs-v-") as d:
+        old = os.environ.get("UDPVERBS_RUNTIME_DIR")
+        os.environ["UDPVERBS_RUNTIME_DIR"] = d
+        try:
+            with DaemonProc("uv0", "127.0.0.7", d) as p:
+                yield p
+        finally:
+            if old is None:
+                del os.environ["UDPVERBS_RUNTIME_DIR"]
+            else:
+                os.environ["UDPVERBS_RUNTIME_DIR"] = old
+
+
+@pytest.fixture
+def ctx(daemon):
+    with verbs.Context(name="uv0") as c:
+        yield c
+
+
+def _qp(ctx: verbs.Context, **cap: int) -> tuple[verbs.PD, verbs.CQ, verbs.QP]:
+    pd = verbs.PD(ctx)
+    cq = verbs.CQ(ctx, 16)
+    qp = verbs.QP(pd, verbs.QPInitAttr(qp_type=IBV_QPT_RC, scq=cq, rcq=cq, cap=verbs.QPCap(**cap)))
+    return pd, cq, qp
+
+
+def test_device_list_and_queries(ctx, daemon) -> None:
+    assert [d.name for d in verbs.get_device_list()] == [b"uv0"]
+    attr = ctx.query_device()
+    assert attr.max_qp > 64 and attr.max_sge == 16 and attr.phys_port_cnt == 1
+    port = ctx.query_port()
+    assert port.lid == daemon.port and port.state == 4
+    assert ctx.query_gid().gid == "0000:0000:0000:0000:0000:ffff:7f00:0007"
+    assert ctx.query_gid().ip == "127.0.0.7"
+    with pytest.raises(verbs.VerbsError):
+        ctx.query_port(2)
+
+
+def test_no_daemon_is_enodev(tmp_path) -> None:
+    with pytest.raises(verbs.VerbsError) as e:
+        verbs.Context(socket_path=str(tmp_path / "none.sock"))
+    assert e.value.error_code == errno.ENODEV
+
+
+def test_mr_memory_is_shared_and_numpy_usable(ctx) -> None:
+    pd = verbs.PD(ctx)
+    mr = verbs.MR(pd, 4096 + 3, IBV_ACCESS_LOCAL_WRITE)
+    assert mr.length == 4099 and mr.lkey == mr.rkey and mr.buf % 4096 == 0
+    mr.write(b"abc", 3, 10)
+    assert mr.read(3, 10) == b"abc"
+    arr = np.frombuffer(mr.mv, dtype=np.uint8)
+    arr[100:104] = [1, 2, 3, 4]
+    assert mr.read(4, 100) == b"\x01\x02\x03\x04"
+    del arr
+    with pytest.raises(verbs.UserError):
+        mr.read(10, 4095)
+    with pytest.raises(verbs.VerbsError) as e:  # remote write needs local write (ibv_reg_mr(3))
+        verbs.MR(pd, 64, IBV_ACCESS_REMOTE_WRITE)
+    assert e.value.error_code == errno.EINVAL
+    zero = verbs.MR(pd, 0, IBV_ACCESS_LOCAL_WRITE)
+    assert zero.length == 0 and zero.read(0, 0) == b""
+
+
+def test_close_is_idempotent_and_parents_close_children(ctx) -> None:
+    pd, cq, qp = _qp(ctx)
+    mr = verbs.MR(pd, 64, IBV_ACCESS_LOCAL_WRITE)
+    ch = verbs.CompChannel(ctx)
+    cq2 = verbs.CQ(ctx, 4, channel=ch)
+    cq.close()  # closes the QP that completes into it first
+    assert qp._closed
+    cq.close()
+    pd.close()
+    assert mr._closed
+    pd.close()
+    ch.close()
+    assert cq2._closed
+    with pytest.raises(verbs.UserError):
+        mr.read(1, 0)
+
+
+def test_context_manager_tree(daemon) -> None:
+    with verbs.Context(name="uv0") as c:
+        with verbs.PD(c) as pd:
+            mr = verbs.MR(pd, 64, IBV_ACCESS_LOCAL_WRITE)
+        assert mr._closed
+        _, _, qp = _qp(c)
+    assert qp._closed
+
+
+def test_state_machine_from_the_library(ctx) -> None:
+    _, _, qp = _qp(ctx)
+    attr = verbs.QPAttr(qp_state=IBV_QPS_RTS)
+    with pytest.raises(verbs.VerbsError) as e:
+        qp.modify(attr, IBV_QP_STATE)  # RESET -> RTS is not a transition
+    assert e.value.error_code == errno.EINVAL
+    assert qp.query()[0].qp_state == IBV_QPS_RESET  # and nothing changed
+    with pytest.raises(verbs.VerbsError):
+        qp.modify(verbs.QPAttr(qp_state=IBV_QPS_INIT), IBV_QP_STATE | IBV_QP_PORT)  # mask incomplete
+    qp.to_init(verbs.QPAttr(qp_access_flags=IBV_ACCESS_LOCAL_WRITE))
+    a, init = qp.query()
+    assert a.qp_state == IBV_QPS_INIT and a.qp_access_flags == IBV_ACCESS_LOCAL_WRITE
+    assert init.cap.max_send_wr >= 1 and init.qp_type == IBV_QPT_RC
+    bad = verbs.QPAttr(dest_qp_num=5)  # RTR without a peer address (dgid/dlid)
+    with pytest.raises(verbs.VerbsError):
+        qp.to_rtr(bad)
+    assert qp.query()[0].qp_state == IBV_QPS_INIT
+
+
+def test_post_errors(ctx) -> None:
+    pd, cq, qp = _qp(ctx, max_send_wr=2, max_send_sge=1)
+    mr = verbs.MR(pd, 64, IBV_ACCESS_LOCAL_WRITE)
+    wr = verbs.SendWR(opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(mr.buf, 8, mr.lkey)])
+    with pytest.raises(verbs.VerbsError):  # RESET: cannot post sends
+        qp.post_send(wr)
+    qp.to_init(verbs.QPAttr())
+    with pytest.raises(verbs.UserError):
+        qp.post_recv(verbs.RecvWR(num_sge=2, sg=[verbs.SGE(mr.buf, 8, mr.lkey)]))
+    with pytest.raises(verbs.VerbsError) as e:
+        verbs.QP(pd, verbs.QPInitAttr(qp_type=IBV_QPT_UD, scq=cq, rcq=cq))
+    assert e.value.error_code == errno.EOPNOTSUPP
+    with pytest.raises(verbs.VerbsError):
+        verbs.QP(pd, verbs.QPInitAttr(scq=cq, rcq=cq, cap=verbs.QPCap(max_send_sge=17)))
+
+
+def test_waits_time_out(ctx) -> None:
+    cq = verbs.CQ(ctx, 4)
+    with pytest.raises(TimeoutError):
+        cq.wait(timeout=0.05)
+    with pytest.raises(TimeoutError):
+        ctx.get_async_event(timeout=0.05)
+    ch = verbs.CompChannel(ctx)
+    verbs.CQ(ctx, 4, channel=ch)
+    with pytest.raises(TimeoutError):
+        ch.get_cq_event(timeout=0.05)
+
+
+def test_send_queue_full_is_enomem(daemon) -> None:
+    # Two QPs on one daemon, connected to each other through the daemon's own address.
+    with verbs.Context(name="uv0") as c:
+        pd, cq, qp = _qp(c, max_send_wr=2)
+        _, _, peer = _qp(c)
+        mr = verbs.MR(pd, 64, IBV_ACCESS_LOCAL_WRITE)
+        for me, other in ((qp, peer), (peer, qp)):
+            a = verbs.QPAttr(dest_qp_num=other.qp_num)
+            a.ah_attr = verbs.AHAttr(dlid=c.query_port().lid, gr=verbs.GlobalRoute(dgid=c.query_gid()))
+            me.to_rts(a)
+        assert qp.query()[0].qp_state == IBV_QPS_RTS
+        # SQD stops the engine taking WQEs, so the ring fills up.
+        qp.modify(verbs.QPAttr(qp_state=4), IBV_QP_STATE)
+        wr = verbs.SendWR(opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(mr.buf, 8, mr.lkey)])
+        qp.post_send(wr)
+        qp.post_send(wr)
+        with pytest.raises(verbs.VerbsError) as e:
+            qp.post_send(wr)
+        assert e.value.error_code == errno.ENOMEM
