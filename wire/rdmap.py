@@ -32,6 +32,14 @@ code   message                     tagged  QN
 1011b  Atomic Response             no      4
 =====  ==========================  ======  ==
 
+Checked against secondary sources that follow the RFCs (Linux siw's
+``iwarp.h``, Wireshark's iWARP dissector): both control fields, opcodes
+0000b-0111b and 1010b/1011b, QNs 0-2, the Read Request, Terminate and Atomic
+layouts, FetchAdd = 0000b and CmpSwap = 0010b.  Taken from RFC 7306 without
+a second source (its text could not be retrieved here): Immediate Data
+opcodes 1000b/1001b on QN 0, Atomic Request on QN 3, Atomic Response on QN 4,
+Swap = 0001b.
+
 Read Request, Terminate, Atomic Request/Response and Immediate Data carry an
 RDMAP header as the DDP payload of a single-segment message; their layouts
 are ``READ_REQUEST`` (RFC 5040 §4.4), ``TERMINATE`` (§4.8),
