@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import IO, Sequence
@@ -153,35 +155,44 @@ def start_server(
 class LocalDaemons:
     """Two udpverbs daemons, one per loopback "host", started and stopped by pid.
 
-    Use as a context manager; ``server_device`` / ``client_device`` name what
-    each side passes as ``--device``.
+    Takes: the path MTU (the daemons carry ``mtu - 28`` bytes per datagram).
+    Use as a context manager; ``server_device`` / ``client_device`` are the
+    control socket paths each side passes as ``--device``.  The sockets live
+    in a private temporary directory removed at the end.
     """
 
+    mtu: int = 1500
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     server_device: str | None = None
     client_device: str | None = None
+    runtime_dir: str | None = None
 
     def __enter__(self) -> "LocalDaemons":
         from . import verbs_perf
 
         try:
-            for ip in (SERVER_IP, CLIENT_IP):
-                argv, device = verbs_perf.daemon_command(ip)
+            self.runtime_dir = tempfile.mkdtemp(prefix="udpverbs-local-")
+            for ip, name in ((SERVER_IP, "uvlocal-s"), (CLIENT_IP, "uvlocal-c")):
+                path = os.path.join(self.runtime_dir, f"{name}.sock")
+                argv = verbs_perf.daemon_command(ip, name, path, self.mtu - 28)
                 proc, _ = spawn_ready(argv, stdout=subprocess.DEVNULL)
                 self.procs.append(proc)
                 if ip == SERVER_IP:
-                    self.server_device = device
+                    self.server_device = path
                 else:
-                    self.client_device = device
+                    self.client_device = path
         except BaseException:
             self.close()
             raise
         return self
 
     def close(self) -> None:
-        """Stop every daemon started (safe twice)."""
+        """Stop every daemon started and remove the runtime directory (safe twice)."""
         while self.procs:
             stop_process(self.procs.pop())
+        if self.runtime_dir is not None:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            self.runtime_dir = None
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -376,18 +376,29 @@ class Session:
             raise ControlError(f"peer failed: {msg.get('message', '?')}")
         raise ControlError(f"expected 'done' from the client, got {msg.get('op')!r}")
 
+    def _request_size(self) -> int | None:
+        # A Read is a small request answered by the message: the baseline's
+        # request is one byte (its header carries the rest), and the whole
+        # round trip is reported, as perftest does for read_lat.
+        return 1 if self.params.spec.verb == "read" else None
+
     def _run_raw(self, size: int, iters: int, run: int) -> Stats | None:
         p = self.params
         sock = self._udp
         assert sock is not None
         self.ctrl.exchange({"op": "raw", "size": size, "run": run}, STEP_TIMEOUT_S)
         if not self.is_client:
-            serve = rawudp.latency_server if p.spec.is_latency else rawudp.bandwidth_server
-            serve(sock, size, p.mtu, stop=self._stop_when_done, run=run)
+            if p.spec.is_latency:
+                rawudp.latency_server(
+                    sock, size, p.mtu, stop=self._stop_when_done, run=run, request_size=self._request_size()
+                )
+            else:
+                rawudp.bandwidth_server(sock, size, p.mtu, stop=self._stop_when_done, run=run)
             return None
         if p.spec.is_latency:
             samples = rawudp.latency_client(
-                sock, size, p.mtu, iters=iters, duration_s=p.duration_s, warmup=warmup_iters(iters), run=run
+                sock, size, p.mtu, iters=iters, duration_s=p.duration_s, warmup=warmup_iters(iters), run=run,
+                request_size=self._request_size(), rtt_factor=1 if p.spec.verb in ("read", "atomic") else 2,
             )
             self.ctrl.send({"op": "done"})
             return latency_stats(samples)

@@ -163,30 +163,37 @@ class _Endpoint:
 
 
 class _PingPong(_Endpoint):
-    """Message exchange for the latency test, bursts of ``window`` datagrams."""
+    """Message exchange for the latency test, bursts of ``window`` datagrams.
 
-    def __init__(self, sock: socket.socket, size: int, mtu: int, run: int, window: int) -> None:
-        super().__init__(sock, size, mtu, run, window)
+    The two directions may differ in size (a Read's request is small, its
+    response is the message).
+    """
+
+    def __init__(self, sock: socket.socket, tx_size: int, rx_size: int, mtu: int, run: int, window: int) -> None:
+        super().__init__(sock, max(tx_size, rx_size), mtu, run, window)
+        self.tx_total = max(1, math.ceil(tx_size / self.chunk))
+        self.rx_total = max(1, math.ceil(rx_size / self.chunk))
         self.last_seq = -1
         self.last_burst = 0
 
     def send_burst(self, seq: int, start: int, end: int) -> None:
+        total = self.tx_total
         for i in range(start, end):
-            flags = FLAG_FIN if i == self.total - 1 else 0
-            self.send_data(seq, i, self.total, flags, self.piece(self.tx, i))
+            flags = FLAG_FIN if i == total - 1 else 0
+            self.send_data(seq, i, total, flags, self.piece(self.tx, i))
 
     def resend_last(self) -> None:
         """Send the last burst of the last message again (the peer lost it)."""
         if self.last_seq >= 0:
-            self.send_burst(self.last_seq, self.last_burst, self.total)
+            self.send_burst(self.last_seq, self.last_burst, self.tx_total)
 
     def send_msg(self, seq: int) -> None:
         """Send message ``seq``; every burst but the last waits for its ACK."""
         start = 0
         while True:
-            end = min(start + self.window, self.total)
+            end = min(start + self.window, self.tx_total)
             self.send_burst(seq, start, end)
-            if end == self.total:
+            if end == self.tx_total:
                 self.last_seq, self.last_burst = seq, start
                 return
             progress = time.monotonic()
@@ -222,7 +229,7 @@ class _PingPong(_Endpoint):
             if s == seq:
                 if index == expected:
                     expected += 1
-                    if expected == self.total:
+                    if expected == self.rx_total:
                         return True
                     if expected % w == 0:
                         self.send_ack(seq, expected)
@@ -244,17 +251,23 @@ def latency_client(
     warmup: int = 0,
     run: int = 0,
     window: int | None = None,
+    request_size: int | None = None,
+    rtt_factor: int = 2,
 ) -> list[int]:
     """Run the client side of the ping-pong.
 
-    Takes: a UDP socket connected to the server's; message size; MTU;
+    Takes: a UDP socket connected to the server's; message size (of the
+    reply, and of the request unless ``request_size`` says otherwise); MTU;
     ``iters`` measured round trips, or until ``duration_s`` has passed when
     given; ``warmup`` round trips not measured; the run number both sides
-    agreed on; the burst window (default: from the receive buffer).
-    Returns: half round trips in nanoseconds, one per measured iteration.
+    agreed on; the burst window (default: from the receive buffer); what a
+    round trip is divided by (2: half round trips as perftest's write and
+    send latency; 1: whole ones as its read and atomic latency).
+    Returns: one sample in nanoseconds per measured iteration.
     Raises: BaselineError if the server stays silent.
     """
-    ep = _PingPong(sock, size, mtu, run, window or default_window(sock))
+    req = size if request_size is None else request_size
+    ep = _PingPong(sock, req, size, mtu, run, window or default_window(sock))
     _set_rcv_timeout(sock, CLIENT_RTO_S)
     samples: list[int] = []
     state = {"progress": time.monotonic()}
@@ -280,7 +293,7 @@ def latency_client(
         t1 = clock()
         state["progress"] = time.monotonic()
         if seq >= warmup:
-            samples.append((t1 - t0) // 2)
+            samples.append((t1 - t0) // rtt_factor)
         seq += 1
     return samples
 
@@ -293,15 +306,17 @@ def latency_server(
     stop: Callable[[], bool],
     run: int = 0,
     window: int | None = None,
+    request_size: int | None = None,
 ) -> int:
-    """Serve the ping-pong: answer every message with one of the same size.
+    """Serve the ping-pong: answer every request with a message of ``size``.
 
-    Takes: the UDP socket connected to the client's; size, MTU, run and
-    window as the client; ``stop``, polled when the client is quiet, True
-    once the client says it is done.
+    Takes: the UDP socket connected to the client's; size, MTU, run, window
+    and request size as the client; ``stop``, polled when the client is
+    quiet, True once the client says it is done.
     Returns: the number of messages answered.
     """
-    ep = _PingPong(sock, size, mtu, run, window or default_window(sock))
+    req = size if request_size is None else request_size
+    ep = _PingPong(sock, size, req, mtu, run, window or default_window(sock))
     _set_rcv_timeout(sock, SERVER_POLL_S)
     seq = 0
     while ep.recv_msg(seq, stop):

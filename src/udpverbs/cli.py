@@ -30,13 +30,13 @@ from udpverbs.bench.perf import TESTS, PerfParams, PerfUsageError, Session, hell
 from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
 from udpverbs.bench.rawudp import BaselineError
 from udpverbs.bench.report import Row
-from udpverbs.bench.verbs_perf import VerbsUnavailable
+from udpverbs.bench.verbs_perf import VerbsRunError
 
 CONNECT_TIMEOUT_S = 10.0
 #: The demo moves at most this much per message size, to finish in about a minute.
 DEMO_VOLUME_BYTES = 16 << 20
 #: Errors that end a run with a message instead of a traceback.
-RUN_ERRORS = (ControlError, BaselineError, VerbsUnavailable, local.LocalRunError, OSError)
+RUN_ERRORS = (ControlError, BaselineError, VerbsRunError, local.LocalRunError, OSError)
 
 
 class UsageError(Exception):
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="two local daemons, write latency and bandwidth sweeps against raw UDP, a plot")
     demo.add_argument("--plot", metavar="FILE.png", default="udpverbs-demo.png", help="where the plot goes (default %(default)s)")
     demo.add_argument("--max-size", type=_size, default=1 << 20, help="largest message of the sweeps (default 1M)")
+    demo.add_argument("-n", "--iters", type=int, help="iterations per size (default: as perf, at most 16 MB per size)")
     demo.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
     return parser
 
@@ -199,7 +200,7 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
     Returns: the rows.
     Raises: the run errors; every child is stopped by pid first.
     """
-    daemons = local.LocalDaemons()
+    daemons = local.LocalDaemons(mtu=params.mtu)
     server = None
     try:
         if not params.baseline_only:
@@ -250,10 +251,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run ``udpverbs demo``; returns the exit status."""
     rows: list[Row] = []
     for test in ("write_lat", "write_bw"):
-        params = PerfParams(
-            test=test, all_sizes=True, baseline="raw-udp", max_size=args.max_size, max_volume=DEMO_VOLUME_BYTES
-        ).validate()
-        print(f"\n== udpverbs perf {test} --local -a --baseline raw-udp", flush=True)
+        try:
+            params = PerfParams(
+                test=test, all_sizes=True, iters=args.iters, baseline="raw-udp", max_size=args.max_size,
+                max_volume=DEMO_VOLUME_BYTES,
+            ).validate()
+        except PerfUsageError as e:
+            raise UsageError(str(e)) from None
+        if not args.json:
+            print(f"\n== udpverbs perf {test} --local -a --baseline raw-udp", flush=True)
         rows += run_local(params, json_out=args.json, progress=tty_progress(sys.stderr) if sys.stderr.isatty() else None)
     try:
         plot_rows(rows, args.plot, title="udpverbs demo: RDMA Write over udpverbs vs raw UDP")
