@@ -343,7 +343,9 @@ class Device:
             log.info("link to %s:%d up", *pl.addr)
             return
         reason = ev.reason if isinstance(ev, LinkFailed) else "closed"
-        log.warning("link to %s:%d failed: %s", pl.addr[0], pl.addr[1], reason)
+        # The peer closing its end (shutdown) is routine; anything else is worth a warning.
+        level = logging.INFO if reason in ("abort_received", "closed") else logging.WARNING
+        log.log(level, "link to %s:%d ended: %s", pl.addr[0], pl.addr[1], reason)
         pl.up = False
         pl.failed_reason = reason
         if self.links.get(pl.addr) is pl:
