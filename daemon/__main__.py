@@ -35,7 +35,8 @@ async def run(cfg: dict[str, Any]) -> None:
     dconfig.make_runtime_dir(os.path.dirname(path) or ".")
     check_socket_free(path)
     device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
-                                 spin_us=float(cfg["spin_us"]), seed=cfg["seed"]))
+                                 spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
+                                 link=cfg["link"]))
     try:
         try:
             ip, port = device.bind()
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     try:
         cfg = dconfig.load(argv)
+        from .device import link_config
+
+        link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"]))  # fail early
     except (ValueError, OSError) as e:
         print(f"udpverbsd: {e}", file=sys.stderr)
         return 2

@@ -53,12 +53,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int, help=f"UDP payload bytes per datagram (default {DEFAULT_MTU})")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     p.add_argument("--spin-us", type=float, help="idle spin before sleeping, microseconds (default 200)")
+    p.add_argument("--cc", help="link congestion control: efe, aimd or fixed (default efe)")
+    p.add_argument("--link", action="append", default=[], metavar="KEY=VALUE",
+                   help="a transport.LinkConfig field, e.g. --link dead_peer_s=1.0 (repeatable)")
     p.add_argument("--seed", type=int, help="seed of the daemon's random numbers (tags, ISNs)")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
 
-_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed")
+_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc")
 
 
 def load(argv: list[str] | None = None) -> dict[str, Any]:
@@ -69,13 +72,14 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
     """
     args = parser().parse_args(argv)
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
-                           "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None}
+                           "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
+                           "cc": "efe"}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
         for k, v in data.items():
             key = k.replace("-", "_")
-            if key not in _KEYS:
+            if key not in _KEYS and key != "link":
                 raise ValueError(f"{args.config}: unknown key {k!r}")
             cfg[key] = v
     for k in _KEYS:
@@ -84,6 +88,13 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
             cfg[k] = v
     if not 576 - 28 <= int(cfg["mtu"]) <= 65507:
         raise ValueError(f"mtu {cfg['mtu']} out of range 548..65507")
+    link = dict(cfg.pop("link", {}) or {})
+    for item in args.link:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--link {item!r}: expected KEY=VALUE")
+        link[key.strip()] = value.strip()
+    cfg["link"] = link
     cfg["ready_fd"] = args.ready_fd
     if cfg["socket"] is None:
         cfg["socket"] = socket_path(cfg["name"])

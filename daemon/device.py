@@ -44,6 +44,7 @@ from typing import Any
 
 import trio
 
+from ..transport.congestion.base import create as create_cc
 from ..transport.link import Link, LinkConfig, LinkFailed, LinkUp
 from ..wire import ctl, envelope, segment
 from ..wire import link as wire_link
@@ -86,7 +87,7 @@ class DeviceConfig:
                  mtu: int = 1472, spin_us: float = 200.0, max_sleep_s: float = 0.05,
                  max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, cc: str = "efe", link: dict[str, Any] | None = None) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -101,6 +102,24 @@ class DeviceConfig:
         self.max_cqe = max_cqe
         self.max_qp_rd_atom = max_qp_rd_atom
         self.seed = seed
+        self.cc = cc
+        self.link = dict(link or {})
+
+
+def link_config(config: DeviceConfig) -> LinkConfig:
+    """The LinkConfig of a device: MTU and congestion control, plus ``--link`` overrides.
+
+    Raises:
+        ValueError: an unknown LinkConfig field or a value of the wrong type.
+    """
+    lc = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD, cc=config.cc)
+    create_cc(config.cc, config.mtu)  # raises ValueError for an unknown name, now rather than per link
+    for key, value in config.link.items():
+        if key not in LinkConfig.__dataclass_fields__ or key in ("cc_params",):
+            raise ValueError(f"unknown link setting {key!r}")
+        current = getattr(lc, key)
+        setattr(lc, key, type(current)(value) if not isinstance(current, bool) else str(value) == "true")
+    return lc
 
 
 class Device:
@@ -111,7 +130,7 @@ class Device:
         self.rng = random.Random(config.seed)
         self.incarnation = self.rng.getrandbits(63) | 1
         self.node_guid = self.rng.getrandbits(64)
-        self.link_config = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD)
+        self.link_config = link_config(config)
         self.stags = tables.STagTable()
         self.pds = tables.Handles(config.max_pd)
         self.mrs = tables.Handles(config.max_mr)
@@ -155,7 +174,9 @@ class Device:
     def close(self) -> None:
         """Tear everything down (links ABORT, sessions closed)."""
         now = self.now
+        log.info("stats: %s", self.dump_stats())
         for pl in list(self.links.values()):
+            log.info("link %s:%d cwnd %.0f srtt %s", pl.addr[0], pl.addr[1], pl.link.cwnd_bytes, pl.link.srtt_s)
             try:
                 pl.link.close(now)
                 self._flush_link(pl)
