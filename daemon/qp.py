@@ -64,6 +64,13 @@ _TAGGED_PREFIX = segment.TAGGED_PREFIX_LEN
 _UNTAGGED_PREFIX = segment.UNTAGGED_PREFIX_LEN
 _U32 = 0xFFFFFFFF
 _RECEIVING = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD)
+# Plain ints on the per-segment path: IntFlag's & costs microseconds.
+_REMOTE_WRITE = int(A.IBV_ACCESS_REMOTE_WRITE)
+_REMOTE_READ = int(A.IBV_ACCESS_REMOTE_READ)
+_LOCAL_WRITE = int(A.IBV_ACCESS_LOCAL_WRITE)
+_RTS = int(S.IBV_QPS_RTS)
+_OP_WRITE = int(Opcode.RDMA_WRITE)
+_OP_READ_RESPONSE = int(Opcode.RDMA_READ_RESPONSE)
 
 # tables check codes -> (Terminate error code, requester WC status)
 _TERM_CODE = {
@@ -457,7 +464,7 @@ class QueuePair:
         elif num_sge > self.caps["max_send_sge"]:
             status = W.IBV_WC_LOC_LEN_ERR
         else:
-            access = A.IBV_ACCESS_LOCAL_WRITE if opcode == WrOpcode.IBV_WR_RDMA_READ else 0
+            access = _LOCAL_WRITE if opcode == WrOpcode.IBV_WR_RDMA_READ else 0
             gather = self._resolve(w, num_sge, access)
             if gather is None:
                 status = W.IBV_WC_LOC_PROT_ERR
@@ -502,7 +509,7 @@ class QueuePair:
             if self.irrq:
                 sent += self._send_read_response(max_data)
                 continue
-            if self.state != S.IBV_QPS_RTS:
+            if self.state != _RTS:
                 break
             s = self.sending
             if s is None:
@@ -563,18 +570,18 @@ class QueuePair:
         if self.state not in _RECEIVING:
             return
         op = hdr.opcode
-        if op == Opcode.RDMA_WRITE:
+        if op == _OP_WRITE:
             n = len(payload)
             mr = self.device.stags.lookup(hdr.stag)
             code, off = (tables.INVALID_STAG, 0) if mr is None else mr.check(
-                self.pd, A.IBV_ACCESS_REMOTE_WRITE, hdr.to, n, tagged=True)
+                self.pd, _REMOTE_WRITE, hdr.to, n, tagged=True)
             if code:
                 self._terminate(_TERM_CODE[code], raw, n)
                 return
             if n:
                 mr.view[off:off + n] = payload
             self.rx_write_bytes += n
-        elif op == Opcode.RDMA_READ_RESPONSE:
+        elif op == _OP_READ_RESPONSE:
             self._on_read_response(hdr, payload, raw)
         elif op == Opcode.RDMA_READ_REQUEST:
             self._on_read_request(payload, raw)
@@ -601,7 +608,7 @@ class QueuePair:
             return
         mr = self.device.stags.lookup(req.src_stag)
         code, off = (tables.INVALID_STAG, 0) if mr is None else mr.check(
-            self.pd, A.IBV_ACCESS_REMOTE_READ, req.src_to, req.size, tagged=True)
+            self.pd, _REMOTE_READ, req.src_to, req.size, tagged=True)
         if code:
             self._terminate(_TERM_CODE[code], raw, len(payload), rdmap_header=bytes(payload))
             return

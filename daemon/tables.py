@@ -81,7 +81,8 @@ class MemoryRegion:
         self.view = memoryview(mm)
         self.stag = 0
         self.valid = True
-        self.zero_based = bool(access & AccessFlags.IBV_ACCESS_ZERO_BASED)
+        self.access = int(access)
+        self.zero_based = bool(self.access & AccessFlags.IBV_ACCESS_ZERO_BASED)
 
     def check(self, pd: ProtectionDomain, access: int, to: int, length: int, *, tagged: bool) -> tuple[int, int]:
         """Check one access to this region.
