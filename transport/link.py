@@ -386,9 +386,7 @@ class Link:
                 return
             if not self._learn_peer(init):
                 return
-            self._last_heard = now
-            self._last_rx_ts = h.ts_us
-            self._last_rx_time = now
+            self._heard(h.ts_us, now)
             if state == LinkState.ESTABLISHED:
                 # Our INIT_ACK was lost (or crossed): answer again, no timer.
                 self._out.append(self._handshake_packet(_INIT_ACK, now))
@@ -691,7 +689,10 @@ class Link:
                 body = messages[n]
                 size = len(body) + overhead
                 inflight = rec.bytes_in_flight
-                cwnd_ok = not inflight or inflight + size <= cwnd
+                # Send while the window is not full (a packet may overshoot
+                # it, RFC 5681 byte counting): a window of 1.5 packets then
+                # means 1.5 packets per RTT via the pacer, not 1.
+                cwnd_ok = inflight < cwnd
                 if not cwnd_ok or now < pacer.next_send_s:
                     if retx:
                         lost.appendleft(n)

@@ -30,6 +30,7 @@ byte.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -327,7 +328,7 @@ def percentile(xs: list[float], p: float) -> float:
     if not xs:
         return 0.0
     s = sorted(xs)
-    k = min(len(s) - 1, max(0, int(round(p / 100.0 * len(s) + 0.5)) - 1))
+    k = min(len(s) - 1, max(0, math.ceil(p / 100.0 * len(s)) - 1))
     return s[k]
 
 

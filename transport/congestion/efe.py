@@ -5,46 +5,61 @@ Theory of operation
 ExpEther's Ether Forwarding Engine (SEEDS.md §1) keeps a lossless fabric by
 end-to-end, *delay-based* control: it probes the path, keeps a *predicted*
 round-trip time, ramps quickly while the measured RTT matches the
-prediction, and backs off as soon as switch queues build.  We have no
-published EFE algorithm, so this controller combines that description with
-two published delay-based schemes for data centres:
+prediction, and backs off as soon as switch queues build.  No EFE algorithm
+is published, so this controller combines that description with two
+published delay-based schemes for data centres:
 
 * from **TIMELY** (Mittal et al., SIGCOMM 2015): RTT measured end to end from
-  timestamps is a good enough congestion signal in a data centre; below a
-  low threshold grow fast, and after several consecutive uncongested RTTs
-  use a larger increase step (its "hyperactive increase", our ``mi_gain``
-  ramp).  We do not use TIMELY's RTT gradient: with paced senders and a
-  drop-tail queue the absolute queueing delay is the steadier signal.
+  timestamps is a good enough congestion signal in a data centre; grow
+  faster while the delay is well below the threshold (its "hyperactive
+  increase" becomes our multiplicative ramp, ``mi_gain``).  We do not use
+  TIMELY's RTT gradient: with paced senders and one drop-tail queue the
+  absolute queueing delay is the steadier signal.
 * from **Swift** (Kumar et al., SIGCOMM 2020): a *target delay* instead of a
-  threshold pair; additive increase (``ai_packets`` per RTT) while below it;
-  a multiplicative decrease proportional to the excess,
-  ``cwnd *= 1 - beta * (rtt - target) / rtt``, bounded by ``max_mdf`` and
-  applied at most once per RTT; *flow scaling*, a target that grows as the
-  window shrinks (``fs_range_s``), so small flows gain on large ones and
-  many flows converge to a fair share; and windows below one packet, made
-  real by pacing (``cwnd / rtt``), so 64 flows fit a short path without a
-  standing queue.
+  threshold pair; additive increase below it; a multiplicative decrease in
+  proportion to the excess, ``cwnd *= 1 - beta * (rtt - target) / rtt``,
+  bounded by ``max_mdf`` and at most once per RTT (with ``beta = 1`` the cut
+  removes exactly the excess queue: window/RTT is the rate, so the bytes cut
+  are rate x excess delay); *flow scaling*, a target that grows like
+  ``1/sqrt(cwnd)`` as the window shrinks (``fs_range_s``), so small flows
+  gain on large ones and many flows converge to a fair share; and windows
+  below one packet, made real by pacing at ``cwnd / rtt``, so 64 flows fit a
+  short path without a standing queue.
 
-The *predicted RTT* is ``base_rtt + target``, where ``base_rtt`` is the
-minimum RTT seen over a sliding window (two buckets of ``base_window_s``, so a
-stale minimum, e.g. after a route change, expires within two windows).
-Because a well-controlled queue never drains on its own, the controller
-*probes* at each bucket rotation: for one RTT it halves its window, so the
-queue it contributes drains and a fresh minimum can be sampled (BBR's
-ProbeRTT idea); flows that started together probe together.
+The *predicted RTT* is ``base_rtt + target (+ flow scaling)``, where
+``base_rtt`` is the minimum RTT of a two-bucket min filter.  The filter
+rotates at every *probe*: for two RTTs the window is halved (BBR's ProbeRTT
+idea), so the queue this flow feeds drains and the new bucket sees (close to)
+the empty path; the older bucket expires, so a minimum from before a path
+change is forgotten after two probes.  Probes matter beyond path changes: a
+flow that joined a queue measured an inflated base and would hold the queue
+at *its* higher target, starving the others.  The first probe comes
+``first_probe_rtts`` after startup (flows that arrived together leave
+startup together, so their first probes coincide and drain the queue), and
+the gap doubles up to ``probe_rtts``.  The handshake's RTT sample, taken
+before our data queued anywhere, seeds the filter.
 
-Modes, per ACK, from the queueing delay ``q = rtt - base_rtt``:
+Per ACK, from the queueing delay ``q = rtt - base_rtt``:
 
-* startup (until the first time ``q`` exceeds the target): window doubles per
-  RTT (``+acked``), the fast ramp;
-* ``q < target / 2`` ("near the prediction"): ``+mi_gain * acked``, a
-  multiplicative ramp that re-fills capacity released by departing flows in a
-  few RTTs;
-* ``target/2 <= q <= target``: ``+ai_packets`` MSS per RTT;
-* ``q > target``: Swift's proportional decrease, once per RTT.
+* startup, until the first time the RTT exceeds the prediction: the window
+  doubles per RTT (``+acked``), paced at 2x: the fast ramp;
+* ``q < target/2``, near the prediction: ``+hai_packets + mi_gain x cwnd``
+  per RTT: an additive part (TIMELY's hyperactive increase), which also
+  pulls flows towards equal shares, and a multiplicative part, which refills
+  capacity released by a departing flow or a probe in a few RTTs;
+* ``q`` up to the target: ``+ai_packets + ai_fraction x cwnd`` per RTT.  The
+  fixed part makes AIMD converge to fairness; keeping it small and the
+  proportional part small keeps the aggregate increase of N flows per RTT
+  well below the target queue even at 64 flows;
+* ``q`` above the target: Swift's proportional decrease, once per RTT.
 
 Loss (which should not happen with a buffer of one BDP) cuts by ``max_mdf``
-once per RTT; an RTO drops to the minimum window.
+once per RTT; an RTO cuts to at most one packet.
+
+Defaults are tuned on the simulated data-centre path of ``bench/netsim.py``
+(10 Gb/s, 100 µs, 1-BDP buffer): a 3 µs target queue plus up to 8 µs of flow
+scaling.  On a real host, RTT samples carry the daemons' scheduling noise
+(tens of µs), so a deployment raises ``target_queue_s`` above that noise.
 """
 
 from __future__ import annotations
@@ -62,22 +77,25 @@ class Efe(CongestionController):
         self,
         mss: int,
         *,
-        initial_window_packets: float = 10,
-        target_queue_s: float = 10e-6,
-        fs_range_s: float = 20e-6,
+        initial_window_packets: float = 4,
+        target_queue_s: float = 3e-6,
+        fs_range_s: float = 8e-6,
         fs_min_packets: float = 0.5,
         fs_max_packets: float = 100.0,
-        ai_packets: float = 1.0,
-        ai_fraction: float = 0.0,
-        mi_gain: float = 0.25,
-        beta: float = 0.8,
+        ai_packets: float = 0.05,
+        ai_fraction: float = 0.005,
+        mi_gain: float = 0.1,
+        hai_packets: float = 0.3,
+        beta: float = 1.0,
         max_mdf: float = 0.5,
         min_window_packets: float = 0.05,
         max_window_packets: float = 10000.0,
         probe_rtts: float = 200.0,
+        first_probe_rtts: float = 20.0,
         max_probe_interval_s: float = 1.0,
         probe_fraction: float = 0.5,
         pacing_gain: float = 1.25,
+        small_window_packets: float = 4.0,
     ) -> None:
         super().__init__(mss)
         self.cwnd_bytes = initial_window_packets * mss
@@ -89,15 +107,19 @@ class Efe(CongestionController):
         self.ai_bytes = ai_packets * mss
         self.ai_fraction = ai_fraction
         self.mi_gain = mi_gain
+        self.hai_bytes = hai_packets * mss
         self.beta = beta
         self.max_mdf = max_mdf
         self.min_cwnd = min_window_packets * mss
         self.max_cwnd = max_window_packets * mss
         self.probe_rtts = probe_rtts
+        self.first_probe_rtts = first_probe_rtts
+        self._probe_gap_rtts = first_probe_rtts
         self.max_probe_interval_s = max_probe_interval_s
         self.probe_fraction = probe_fraction
         self._next_probe = INF  # set when startup ends
         self.pacing_gain = pacing_gain
+        self.small_window_packets = small_window_packets
         self.startup = True
         self.base_rtt_s = INF  #: min RTT over the filter window: the path without queues
         self._bucket_min = INF  # min of the current bucket
@@ -139,7 +161,8 @@ class Efe(CongestionController):
         self.probes += 1
         self.cwnd_bytes = max(self.min_cwnd, self.cwnd_bytes * self.probe_fraction)
         self._probe_until = now + 2 * rtt_s
-        self._next_probe = now + min(self.probe_rtts * self.base_rtt_s, self.max_probe_interval_s)
+        self._probe_gap_rtts = min(2 * self._probe_gap_rtts, self.probe_rtts)
+        self._next_probe = now + min(self._probe_gap_rtts * self.base_rtt_s, self.max_probe_interval_s)
 
     # --- controller callbacks -----------------------------------------------
 
@@ -171,18 +194,22 @@ class Efe(CongestionController):
         elif self.startup:
             cwnd += acked_bytes  # fast ramp: x2 per RTT while on prediction
         elif rtt - self.base_rtt_s < 0.5 * (target - self.base_rtt_s):
-            cwnd += self.mi_gain * acked_bytes
-        elif cwnd >= self.mss:
+            # Near the prediction: +hai packets (TIMELY's hyperactive
+            # increase, additive, so it also equalizes flows) and +mi_gain of
+            # the window per RTT (multiplicative, so a large share freed by a
+            # departing flow or a probe is refilled in a few RTTs).
+            # The additive part is for windows of several packets: with many
+            # flows of a packet or two it would add N x hai at once.
+            hai = self.hai_bytes if cwnd >= self.small_window_packets * self.mss else 0.0
+            cwnd += (hai + self.mi_gain * cwnd) * acked_bytes / cwnd
+        else:
             # +ai packets +ai_fraction of the window per RTT.  The fixed part
             # is what makes AIMD converge to fairness; keeping it small and
             # adding a part proportional to the window keeps the *aggregate*
             # increase of N flows per RTT near ai_fraction x BDP instead of
-            # N x ai, so 64 flows do not overrun the target queue.
+            # N x ai, so 64 flows do not overrun the target queue.  Below one
+            # packet the same law holds (the window is a rate, paced).
             cwnd += (self.ai_bytes + self.ai_fraction * cwnd) * acked_bytes / cwnd
-        else:
-            # Swift for sub-packet windows: the increase per RTT shrinks with
-            # the window (+ai x cwnd/mss), as the ACKs per RTT do.
-            cwnd += self.ai_bytes * acked_bytes / self.mss
         if cwnd < self.min_cwnd:
             cwnd = self.min_cwnd
         elif cwnd > self.max_cwnd:
@@ -191,8 +218,12 @@ class Efe(CongestionController):
 
     def _leave_startup(self, now: float) -> None:
         self.startup = False
-        if self.base_rtt_s < INF:
-            self._next_probe = now + min(self.probe_rtts * self.base_rtt_s, self.max_probe_interval_s)
+        # The first probe comes soon: flows that joined a queue measured an
+        # inflated base RTT, and they all leave startup at about the same
+        # time, so their early probes coincide and drain the queue.  The gap
+        # then doubles up to probe_rtts.
+        self._probe_gap_rtts = self.first_probe_rtts
+        self._next_probe = now + min(self._probe_gap_rtts * self.base_rtt_s, self.max_probe_interval_s)
 
     def on_packets_lost(self, lost_bytes: int, now: float) -> None:
         if self.startup:
@@ -204,7 +235,9 @@ class Efe(CongestionController):
     def on_rto(self, now: float) -> None:
         if self.startup:
             self._leave_startup(now)
-        self.cwnd_bytes = self.min_cwnd
+        # At most one packet, as RFC 5681's loss window; not the sub-packet
+        # floor, from which a flow would take hundreds of RTTs to return.
+        self.cwnd_bytes = max(self.min_cwnd, min(self.cwnd_bytes * (1.0 - self.max_mdf), self.mss))
         self._last_decrease = now
 
     def pacing_rate_Bps(self, srtt_s: float | None) -> float:
@@ -212,6 +245,8 @@ class Efe(CongestionController):
         if not rtt:
             return INF
         gain = 2.0 if self.startup else self.pacing_gain
-        if self.cwnd_bytes < self.mss:
-            gain = 1.0  # Swift: a sub-packet window is exactly a rate
+        if self.cwnd_bytes < self.small_window_packets * self.mss:
+            # Swift: a window of a few packets (or less) is exactly a rate;
+            # the window check lets one packet overshoot, the pacer does not.
+            gain = 1.0
         return gain * self.cwnd_bytes / rtt
