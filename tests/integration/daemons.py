@@ -31,7 +31,7 @@ class DaemonProc:
         r, w = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, *(["/tmp/profd.py"] if os.environ.get("PROFD") and self.name == os.environ["PROFD"] else ["-m", "udpverbs.daemon"]), "--name", self.name, "--addr", self.addr,
+                [sys.executable, "-m", "udpverbs.daemon", "--name", self.name, "--addr", self.addr,
                  "--port", "0", "--socket", self.socket_path, "--seed", str(self.seed),
                  "--ready-fd", str(w), *(("--mtu", str(self.mtu)) if self.mtu else ()), *self.extra],
                 pass_fds=(w,), stdout=self.log, stderr=self.log,
