@@ -55,6 +55,7 @@ async def run(cfg: dict[str, Any]) -> None:
                     os.close(cfg["ready_fd"])
                 async for signum in signals:
                     log.info("signal %s: shutting down", signal.Signals(signum).name)
+                    device.announce_fatal()
                     nursery.cancel_scope.cancel()
                     break
     finally:

@@ -63,6 +63,7 @@ class Session:
         self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.async_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.hello = False
+        self.fatal_sent = False
         self.pds: set[int] = set()
         self.mrs: set[int] = set()
         self.cqs: set[int] = set()
@@ -73,6 +74,10 @@ class Session:
     # -- helpers the data path calls ---------------------------------------------
     def set_need_wakeup(self, v: int) -> None:
         self.page.need_wakeup = v
+
+    def device_fatal(self) -> None:
+        """Mark the context page: the daemon is shutting down (IBV_EVENT_DEVICE_FATAL)."""
+        self.page.device_fatal = 1
 
     def async_event(self, event_type: int, element: int) -> None:
         """Queue an async event (QP fatal, CQ error, ...) and wake ctx.get_async_event."""

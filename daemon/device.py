@@ -182,6 +182,7 @@ class Device:
                 self._flush_link(pl)
             except Exception:  # closing must not fail on a broken link
                 pass
+        self.announce_fatal()
         for sess in list(self.sessions):
             sess.teardown()
         if self.sock is not None:
@@ -189,6 +190,14 @@ class Device:
             self.sock = None
         self.epoll.close()
         os.close(self.wake_fd)
+
+    def announce_fatal(self) -> None:
+        """Tell every application the device is going away (IBV_EVENT_DEVICE_FATAL)."""
+        for sess in list(self.sessions):
+            if not sess.closed and not sess.fatal_sent:
+                sess.fatal_sent = True
+                sess.device_fatal()
+                sess.async_event(EventType.IBV_EVENT_DEVICE_FATAL, 0)
 
     def wake(self) -> None:
         """Make the data loop look again (after a control-path change)."""
@@ -442,7 +451,3 @@ class Device:
                 out[f"link_{k}"] = out.get(f"link_{k}", 0) + v
         return out
 
-
-# QP states in which the QP takes part in the data path
-ACTIVE_STATES = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD, S.IBV_QPS_ERR)
-EVENT_QP_FATAL = EventType.IBV_EVENT_QP_FATAL

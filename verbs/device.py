@@ -350,6 +350,11 @@ class Context(Resource):
                 await trio.lowlevel.wait_readable(self.async_fd)
                 _drain_eventfd(self.async_fd)
 
+    @property
+    def device_fatal(self) -> bool:
+        """True once the daemon announced it is going away (IBV_EVENT_DEVICE_FATAL)."""
+        return bool(self._page.device_fatal)
+
     # -- used by QPs after posting ---------------------------------------------------
     def ring_doorbell(self) -> None:
         """Wake the daemon if it sleeps (it set need_wakeup)."""
