@@ -439,25 +439,27 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
     sess = Session(device, conn, pid)
     device.sessions.add(sess)
     device.add_doorbell(sess.doorbell)
+    device.watch(conn.fileno())
     try:
-        with conn:
-            while True:
-                data, anc, flags, _ = await conn.recvmsg(ctl.MAX_CTL_MESSAGE, socket.CMSG_SPACE(ctl.MAX_FDS * 4))
-                fds = _fds_from(anc)
-                if not data:
-                    for fd in fds:
-                        os.close(fd)
-                    break
-                reply, out_fds = await _serve_one(sess, data, fds, flags)
-                for fd in fds:  # the handlers keep what they need (mmap holds its own ref)
+        while True:
+            data, anc, flags, _ = await conn.recvmsg(ctl.MAX_CTL_MESSAGE, socket.CMSG_SPACE(ctl.MAX_FDS * 4))
+            fds = _fds_from(anc)
+            if not data:
+                for fd in fds:
                     os.close(fd)
-                anc_out = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))] if out_fds else []
-                await conn.sendmsg([reply], anc_out)
+                break
+            reply, out_fds = await _serve_one(sess, data, fds, flags)
+            for fd in fds:  # the handlers keep what they need (mmap holds its own ref)
+                os.close(fd)
+            anc_out = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))] if out_fds else []
+            await conn.sendmsg([reply], anc_out)
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
         log.info("session pid %d ended: %s", pid, e)
     except Exception:
         log.exception("session pid %d failed; tearing it down", pid)
     finally:
+        device.unwatch(conn.fileno())  # before the close: the fd number may be reused
+        conn.close()
         sess.teardown()
         device.wake()
 
@@ -530,6 +532,7 @@ async def serve_control(device: Device, path: str, task_status: Any = trio.TASK_
         os.umask(old_umask)
     os.chmod(path, 0o600)
     sock.listen(128)
+    device.watch(sock.fileno())
     try:
         async with trio.open_nursery() as nursery:
             task_status.started()
@@ -537,6 +540,7 @@ async def serve_control(device: Device, path: str, task_status: Any = trio.TASK_
                 conn, _ = await sock.accept()
                 nursery.start_soon(_session_task, device, conn)
     finally:
+        device.unwatch(sock.fileno())
         sock.close()
         try:
             os.unlink(path)
