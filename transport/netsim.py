@@ -50,6 +50,9 @@ class Impairments:
     reorder_delay_s: float = 50e-6
     #: every datagram gets uniform(0, jitter_s) extra delay (also reorders)
     jitter_s: float = 0.0
+    #: host noise: uniform(0, fifo_jitter_s) extra delay, but never overtaking
+    #: the previous datagram (a descheduled receiver delays, it does not reorder)
+    fifo_jitter_s: float = 0.0
 
 
 class Simulator:
@@ -150,6 +153,7 @@ class Channel:
         self.name = name
         self.sent = 0
         self.lost = 0
+        self._last_arrival = 0.0
 
     def send(self, data: bytes) -> None:
         """Put one datagram on the path."""
@@ -181,6 +185,11 @@ class Channel:
             at = t
             if imp.jitter_s:
                 at += rnd() * imp.jitter_s
+            if imp.fifo_jitter_s:
+                at += rnd() * imp.fifo_jitter_s
+                if at < self._last_arrival:
+                    at = self._last_arrival
+                self._last_arrival = at
             if rnd() < imp.reorder:
                 at += rnd() * imp.reorder_delay_s
             sim.schedule(at, self._arrive, d)

@@ -16,7 +16,7 @@ MSS = 1000
 
 
 def test_registry() -> None:
-    assert base.names() == ["aimd", "efe", "fixed"]
+    assert base.names() == ["aimd", "efe", "efe-host", "fixed"]
     assert isinstance(base.create("efe", MSS), Efe)
     assert base.create("fixed", MSS, {"window_packets": 3}).cwnd_bytes == 3 * MSS
     with pytest.raises(ValueError):
@@ -145,3 +145,38 @@ def test_efe_meets_its_targets_on_four_flows() -> None:
     assert e.loss_rate == 0.0
     assert a.loss_rate > 0.0  # the baseline does fill the buffer
     assert e.queue_p99_us <= a.queue_p99_us / 4
+
+
+def _noisy_path_utilization(params: dict) -> float:
+    """One EFE flow over 1 Gb/s, 50 µs, with up to 100 µs of FIFO host noise."""
+    import random
+
+    from udpverbs.transport.link import Link, LinkConfig
+    from udpverbs.transport.netsim import Bottleneck, Channel, Endpoint, Impairments, Simulator
+
+    rate, rtt, dur = 1.25e8, 50e-6, 0.1
+    sim = Simulator(random.Random(1))
+    cfg = LinkConfig(cc="efe", cc_params=params)
+    la = Link(cfg, rng=random.Random(2), incarnation=1)
+    lb = Link(cfg, rng=random.Random(3), incarnation=2)
+    got = [0]
+    payload = bytes(cfg.max_payload)
+    a = Endpoint(sim, la, source=[payload] * int(rate * dur / len(payload) * 1.5))
+    b = Endpoint(sim, lb, on_delivery=lambda ep, msgs, now: got.__setitem__(0, got[0] + sum(map(len, msgs))))
+    noise = Impairments(fifo_jitter_s=100e-6)
+    a.channel = Channel(sim, b, rtt / 2, bottleneck=Bottleneck(rate, int(4 * rate * rtt)), impairments=noise)
+    b.channel = Channel(sim, a, rtt / 2, impairments=noise)
+    a.connect()
+    sim.run(dur)
+    return got[0] / dur / rate
+
+
+def test_efe_host_preset_survives_host_noise() -> None:
+    from udpverbs.transport.congestion.efe import EFE_HOST_PARAMS
+
+    # The fabric defaults read host noise as queueing and collapse; the host
+    # preset filters it and keeps the path busy.
+    assert _noisy_path_utilization({}) < 0.1
+    assert _noisy_path_utilization(dict(EFE_HOST_PARAMS)) > 0.8
+    host = base.create("efe-host", MSS)
+    assert host.noise_filter and host.target_queue_s == EFE_HOST_PARAMS["target_queue_s"]

@@ -17,7 +17,7 @@ from udpverbs.transport.link import Link, LinkConfig
 from udpverbs.transport.netsim import Impairments, Simulator, pair
 
 HOSTILE = Impairments(loss=0.20, duplicate=0.05, reorder=0.05, corrupt=0.01,
-                      reorder_delay_s=30e-6, jitter_s=2e-6)
+                      reorder_delay_s=30e-6)
 SEEDS = 200
 MESSAGES = 10_000
 
