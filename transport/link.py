@@ -107,7 +107,9 @@ class LinkUp:
 @dataclass(frozen=True)
 class LinkFailed:
     """The link is dead for good: ``handshake_timeout``, ``retransmit_budget``,
-    ``dead_peer``, ``peer_restarted`` or ``abort_received``."""
+    ``dead_peer``, ``peer_restarted`` (INIT with a new incarnation),
+    ``peer_reset`` (INIT with the same incarnation but a new tag: the peer
+    dropped the link) or ``abort_received``."""
 
     reason: str
 
@@ -226,7 +228,7 @@ class Link:
         self._ack_deadline: float | None = None
         self._last_rx_ts = 0
         self._last_rx_time = 0.0
-        self._window_was_short = False
+        self._adv_rwnd = config.rwnd_packets  # the window we last advertised
         # handshake and liveness
         self._hs_deadline: float | None = None
         self._hs_tries = 0
@@ -303,14 +305,20 @@ class Link:
         self._out.append(self._handshake_packet(ptype, now))
         self._hs_deadline = now + self.config.initial_rto_s * (1 << self._hs_tries)
 
-    def _learn_peer(self, init: wl.LinkInit) -> bool:
+    def _learn_peer(self, init: wl.LinkInit, is_init: bool) -> bool:
         """Record the peer's INIT body; False if it contradicts what we know."""
         if self.peer_incarnation is not None:
             if init.incarnation != self.peer_incarnation:
                 self._fail("peer_restarted")
                 return False
             if init.tag != self.peer_tag or init.isn != self.peer_isn:
-                self.stats.bad_init += 1
+                if is_init:
+                    # Same daemon run, new tag: the peer dropped its end of
+                    # the link (it failed there) and opens afresh.  Our state
+                    # is stale; the owner builds a new Link for the INIT.
+                    self._fail("peer_reset")
+                else:
+                    self.stats.bad_init += 1
                 return False
             return True
         if init.tag == 0:
@@ -384,7 +392,7 @@ class Link:
             if h.conn_tag != 0:
                 stats.bad_tag += 1
                 return
-            if not self._learn_peer(init):
+            if not self._learn_peer(init, True):
                 return
             self._heard(h.ts_us, now)
             if state == LinkState.ESTABLISHED:
@@ -403,7 +411,7 @@ class Link:
         if state == LinkState.IDLE:
             stats.unexpected += 1
             return
-        if not self._learn_peer(init):
+        if not self._learn_peer(init, False):
             return
         self._heard(h.ts_us, now)
         if state != LinkState.ESTABLISHED:
@@ -568,8 +576,10 @@ class Link:
         if not out:
             return out
         self._delivered = []
-        # If the window we advertised was small, tell the peer it reopened.
-        if len(out) * 2 >= self.config.rwnd_packets:
+        # If the window we last advertised was small (the sender may be
+        # stalled on it), or much has been freed, tell the peer it reopened;
+        # otherwise a lost or absent update would stall it until keep-alive.
+        if self._adv_rwnd * 4 < self.config.rwnd_packets or len(out) * 2 >= self.config.rwnd_packets:
             self._ack_now = True
         return out
 
@@ -609,7 +619,9 @@ class Link:
 
     def _advertised_window(self) -> int:
         w = self.config.rwnd_packets - len(self._delivered)
-        return 0 if w < 0 else 0xFFFF if w > 0xFFFF else w
+        w = 0 if w < 0 else 0xFFFF if w > 0xFFFF else w
+        self._adv_rwnd = w
+        return w
 
     def _control(self, ptype: int, flags: int, now: float) -> bytes:
         h = _Header(ptype, flags, self.path_id, self.peer_tag,

@@ -397,3 +397,37 @@ def test_packets_for_another_connection_are_dropped() -> None:
     c.send(b"stray", t)
     feed(b, c.datagrams_to_send(t), t + D)  # right format, wrong conn_tag
     assert b.drain_received() == [] and b.stats.bad_tag == 1
+
+
+def test_peer_that_dropped_its_link_resets_ours() -> None:
+    c = cfg()
+    a, b = make_pair(c)
+    t = establish(a, b)
+    b2 = Link(c, rng=random.Random(77), incarnation=2)  # same daemon run, new link
+    b2.connect(t)
+    feed(a, b2.datagrams_to_send(t), t + D)
+    assert events(a) == [LinkFailed("peer_reset")]
+    # A retransmitted copy of a's own peer's INIT (same tag) is not a reset.
+    a3, b3 = make_pair(c, seed=11)
+    b3.connect(0.0)
+    init = b3.datagrams_to_send(0.0)
+    feed(a3, init, D)
+    feed(b3, a3.datagrams_to_send(D), 2 * D)
+    feed(a3, b3.datagrams_to_send(2 * D), 3 * D)
+    feed(a3, init, 4 * D)
+    assert a3.state == LinkState.ESTABLISHED and LinkFailed("peer_reset") not in events(a3)
+
+
+def test_window_update_reopens_a_zero_window_at_once() -> None:
+    a, b = make_pair(cfg(rwnd_packets=4))
+    t = establish(a, b)
+    for i in range(6):
+        a.send(bytes([i]), t)
+    feed(b, a.datagrams_to_send(t), t + D)
+    feed(a, b.datagrams_to_send(t + D), t + 2 * D)  # window 0 advertised
+    assert a.datagrams_to_send(t + 2 * D) == []
+    assert b.drain_received() == [bytes([i]) for i in range(4)]
+    (update,) = b.datagrams_to_send(t + 2 * D)  # no waiting for the keep-alive
+    assert wl.decode_untrusted(update)[0].rwnd == 4
+    feed(a, [update], t + 3 * D)
+    assert len(a.datagrams_to_send(t + 3 * D)) == 2  # messages 4 and 5
