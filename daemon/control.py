@@ -187,13 +187,12 @@ class Session:
         d.mrs.pop(mr.handle)
         mr.pd.mrs.discard(mr.handle)
         self.mrs.discard(mr.handle)
-        # A Read Response still being sent from this region keeps its view; the
-        # mapping is unmapped when that ends (MemoryRegion.close tolerates it).
-        for qp in d.qps.values():
-            for r in qp.irrq:
-                if r.view.obj is mr.mm:
-                    qp.fatal("source region of a Read was deregistered")
-                    break
+        # A WR still gathering from, scattering into, or answering a Read from
+        # this region would touch a released mapping: end those QPs first.
+        view = mr.view
+        for qp in list(d.qps.values()):
+            if qp.uses_view(view):
+                qp.fatal(f"region {mr.stag:#x} deregistered while in use")
         mr.close()
 
     def op_create_comp_channel(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:

@@ -308,9 +308,15 @@ class Device:
             pl = qp.link
             if pl is None:
                 continue
-            if qp.pump(64):
-                progress = True
-            if qp.outstanding and qp.complete_acked(pl.link.acked):
+            try:
+                if qp.pump(64):
+                    progress = True
+                if qp.outstanding and qp.complete_acked(pl.link.acked):
+                    progress = True
+            except Exception:  # an engine bug ends this QP, never the daemon
+                self.stats["qp_exception"] += 1
+                log.exception("QP %d failed", qp.qpn)
+                qp.fatal("internal error")
                 progress = True
         for pl in list(links.values()):
             if self._flush_link(pl):

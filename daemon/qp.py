@@ -344,6 +344,14 @@ class QueuePair:
         self.set_state(S.IBV_QPS_ERR)
         self.session.async_event(event, self.qpn)
 
+    def uses_view(self, view: memoryview) -> bool:
+        """True if an in-flight WR or Read Response references ``view`` (an MR's mapping)."""
+        if self.sending is not None and any(p[0] is view for p in self.sending.gather.pieces):
+            return True
+        if any(p[0] is view for rd in self.orrq for p in rd.gather.pieces):
+            return True
+        return any(r.view is view for r in self.irrq)
+
     def close(self) -> None:
         self.sq.release()
         self.rq.release()

@@ -25,6 +25,7 @@ class DaemonProc:
         self.extra = extra
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        self._final_log: str | None = None
         self.log = tempfile.NamedTemporaryFile(prefix=f"udpverbsd-{name}-", suffix=".log", delete=False)
 
     def start(self, timeout_s: float = 20.0) -> "DaemonProc":
@@ -60,6 +61,8 @@ class DaemonProc:
         return self
 
     def log_text(self) -> str:
+        if self._final_log is not None:
+            return self._final_log
         with open(self.log.name, "rb") as f:
             return f.read().decode(errors="replace")[-4000:]
 
@@ -75,6 +78,14 @@ class DaemonProc:
                 p.kill()
                 p.wait(timeout_s)
         self.proc = None
+        self._final_log = None
+        text = self.log_text()
+        self._final_log = text  # keep the tail in memory, leave no file behind
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
         return p.returncode
 
     def __enter__(self) -> "DaemonProc":

@@ -139,3 +139,25 @@ def test_good_traffic_after_violations(sides) -> None:
     qa.post_send(_wr(5, IBV_WR_RDMA_WRITE, verbs.SGE(a.mr.buf, 4, a.mr.lkey), b.mr.rkey, b.mr.buf + 9))
     (wc,) = a.cq.poll_blocking(1, timeout=10)
     assert wc.status == IBV_WC_SUCCESS and b.mr.read(4, 9) == b"fine"
+
+
+def test_deregistering_a_region_in_use_ends_the_qp_not_the_daemon(sides, daemons) -> None:
+    a, b = sides
+    qa, qb = a.new_qp(), b.new_qp()
+    connect_manual(a, qa, b, qb)
+    big = verbs.MR(a.pd, 32 << 20, ACCESS_ALL)
+    target = verbs.MR(b.pd, 32 << 20, ACCESS_ALL)
+    wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(big.buf, 32 << 20, big.lkey)],
+                      send_flags=IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(target.rkey, target.buf)
+    qa.post_send(wr)
+    big.close()  # while the daemon is still segmenting from it
+    (wc,) = a.cq.poll_blocking(1, timeout=20)
+    assert wc.wr_id == 1  # success if it had finished, else an error status: either way, no crash
+    for d in daemons:
+        assert d.proc is not None and d.proc.poll() is None
+    qa2, qb2 = a.new_qp(), b.new_qp()
+    connect_manual(a, qa2, b, qb2)
+    qa2.post_send(_wr(2, IBV_WR_RDMA_WRITE, verbs.SGE(a.mr.buf, 8, a.mr.lkey), b.mr.rkey, b.mr.buf))
+    (wc,) = a.cq.poll_blocking(1, timeout=10)
+    assert (wc.wr_id, wc.status) == (2, IBV_WC_SUCCESS)
