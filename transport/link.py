@@ -221,6 +221,7 @@ class Link:
         self.rcv_nxt = 0
         self._ooo: dict[int, bytes] = {}
         self._ranges: list[list[int]] = []  # sorted disjoint [start, end) above rcv_nxt
+        self._starts: list[int] = []  # the ranges' starts, for bisect on plain ints
         self._recent: list[int] = []  # out-of-order arrivals, most recent first (<= 4)
         self._delivered: list[bytes] = []
         self._ack_count = 0
@@ -515,6 +516,7 @@ class Link:
                 # Filled a hole: hand over the run behind it, ACK at once
                 # (RFC 5681 §4.2) so the sender learns quickly.
                 end = ranges.pop(0)[1]
+                del self._starts[0]
                 ooo = self._ooo
                 for n in range(rcv_nxt, end):
                     delivered.append(ooo.pop(n))
@@ -550,15 +552,19 @@ class Link:
             stats.duplicate += 1  # a D-SACK-like hint: its block is reported first
             return
         ooo[n] = bytes(body)
-        i = bisect.bisect_left(ranges, [n + 1])  # first range starting after n
+        starts = self._starts
+        i = bisect.bisect_left(starts, n + 1)  # first range starting after n
         if i and ranges[i - 1][1] == n:
             ranges[i - 1][1] = n + 1
-            if i < len(ranges) and ranges[i][0] == n + 1:
+            if i < len(ranges) and starts[i] == n + 1:
                 ranges[i - 1][1] = ranges.pop(i)[1]
-        elif i < len(ranges) and ranges[i][0] == n + 1:
+                del starts[i]
+        elif i < len(ranges) and starts[i] == n + 1:
             ranges[i][0] = n
+            starts[i] = n
         else:
             ranges.insert(i, [n, n + 1])
+            starts.insert(i, n)
 
     def _note_recent(self, n: int) -> None:
         recent = self._recent
@@ -593,7 +599,7 @@ class Link:
         # reported in several ACKs and survives ACK loss.  Then the lowest
         # ranges (the holes the sender must fill first).
         ranges = self._ranges
-        starts = self._range_starts()
+        starts = self._starts
         blocks: list[tuple[int, int]] = []
         seen: list[int] = []
         base = self.peer_isn
@@ -613,9 +619,6 @@ class Link:
                 blocks.append(((base + r[0]) & _U32, (base + r[1]) & _U32))
             i += 1
         return tuple(blocks)
-
-    def _range_starts(self) -> list[int]:
-        return [r[0] for r in self._ranges]
 
     def _advertised_window(self) -> int:
         w = self.config.rwnd_packets - len(self._delivered)
