@@ -39,9 +39,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from ..wire import envelope, rdmap, segment, shm
+from ..wire import rdmap, segment, shm
 from ..wire.rdmap import Opcode
 from ..wire.shm import (
     AccessFlags as A,

@@ -2,8 +2,10 @@
 
 Two processes, each talking to its own udpverbs daemon:
 
-  server:  python examples/rdma_write.py server --device uvB --oob-port 18600
-  client:  python examples/rdma_write.py client --device uvA --server 127.0.0.1:18600
+  host B:  udpverbsd --name uvB --addr <B's IP>
+           python examples/rdma_write.py server --device uvB --oob-port 18600
+  host A:  udpverbsd --name uvA --addr <A's IP>
+           python examples/rdma_write.py client --device uvA --server <B's IP>:18600
 
 Like perftest, the two sides first swap what RDMA needs over a plain TCP
 connection ("out of band"): QP number, the daemon's GID (its IP address) and
@@ -77,7 +79,7 @@ def exchange(conn: socket.socket, mine: dict) -> dict:
 
 def run_server(args: argparse.Namespace) -> int:
     ctx, mr, cq, qp = setup(args.device, args.size)
-    with ctx, socket.create_server(("127.0.0.1", args.oob_port)) as srv:
+    with ctx, socket.create_server((args.oob_bind, args.oob_port)) as srv:
         if args.ready_fd is not None:
             os.write(args.ready_fd, b"ready\n")
             os.close(args.ready_fd)
@@ -191,8 +193,8 @@ def run_local(args: argparse.Namespace) -> int:
             with socket.socket() as s:  # a free TCP port for the out-of-band exchange
                 s.bind(("127.0.0.1", 0))
                 oob = s.getsockname()[1]
-            server = _spawn([py, me, "server", "--device", "uvB", "--oob-port", str(oob), "--size", str(args.size)],
-                            env, "server", args.timeout)
+            server = _spawn([py, me, "server", "--device", "uvB", "--oob-bind", "127.0.0.1", "--oob-port", str(oob),
+                             "--size", str(args.size)], env, "server", args.timeout)
             procs.append(server)
             client = subprocess.run([py, me, "client", "--device", "uvA", "--server", f"127.0.0.1:{oob}",
                                      "--size", str(args.size)], env=env, timeout=args.timeout * 3)
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="uv0", help="udpverbs device (daemon) name")
     p.add_argument("--server", default="127.0.0.1:18600", help="client: the server's out-of-band host:port")
     p.add_argument("--oob-port", type=int, default=18600, help="server: TCP port for the out-of-band exchange")
+    p.add_argument("--oob-bind", default="0.0.0.0", help="server: address for the out-of-band TCP port")
     p.add_argument("--size", type=int, default=1 << 20, help="bytes to move (default 1 MiB)")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
