@@ -139,9 +139,11 @@ class Recovery:
             if lo < cum:
                 lo = cum
             for n in range(lo, hi):
+                # Also a message already declared lost (so not in flight):
+                # SACKed now, it must not be retransmitted.
+                sacked.add(n)
                 info = inflight.pop(n, None)
                 if info is not None:
-                    sacked.add(n)
                     acked += info[1]
                     if info[2] > maxtx:
                         maxtx = info[2]
