@@ -121,6 +121,8 @@ class PerfParams:
     mtu: int = 1500
     baseline: str | None = None
     baseline_only: bool = False
+    #: perftest's -e: sleep on completion events instead of busy-polling the CQ
+    use_events: bool = False
     #: largest size of a ``-a`` sweep
     max_size: int = ALL_SIZES[-1]
     #: without ``-n``: the most bytes one size moves (None: the test's default)
@@ -168,6 +170,8 @@ class PerfParams:
             raise PerfUsageError("-m (the UDP path MTU) must be between 128 and 65535 bytes")
         if self.baseline is not None and self.baseline not in BASELINES:
             raise PerfUsageError(f"unknown baseline {self.baseline!r}; choose one of {', '.join(BASELINES)}")
+        if self.use_events and self.test == "write_lat":
+            raise PerfUsageError("write_lat polls the landing buffer, not a CQ: -e does not apply (as in perftest)")
         if self.baseline_only and self.baseline is None:
             raise PerfUsageError("--baseline-only needs --baseline")
         return self
@@ -281,6 +285,7 @@ class Session:
             ("Mtu", f"{p.mtu}[B]"),
             ("Link type", "UDP/IPv4"),
             ("Data ex. method", "Ethernet (TCP control connection)"),
+            ("CQ Moderation", f"{min(16, p.depth())}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
         ]
         if p.baseline:
             settings.append(("Baseline", f"{p.baseline}{' only' if p.baseline_only else ''}"))

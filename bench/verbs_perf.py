@@ -48,6 +48,8 @@ STALL_S = 30.0
 CQ_MOD = 16
 #: How often (in spins) a waiting side looks at the clock and the control connection.
 CHECK_EVERY = 256
+#: Under -e, the longest single sleep on the CQ before the stall check runs.
+EVENT_WAIT_S = 0.05
 
 
 class VerbsRunError(Exception):
@@ -254,6 +256,16 @@ class VerbsSide:
         if time.monotonic() - since > STALL_S:
             raise VerbsRunError(f"no progress for {STALL_S:g} s while {what}")
 
+    def _idle(self) -> None:
+        """Wait a little for the next completion: sleep on the CQ's event under -e, else yield."""
+        if self.params.use_events:
+            try:
+                self.cq.wait(EVENT_WAIT_S)
+            except TimeoutError:
+                pass  # the caller's stall check decides
+        else:
+            os.sched_yield()
+
     def _drain(self) -> int:
         n, wcs = self.cq.poll(64)
         if n:
@@ -343,7 +355,7 @@ class VerbsSide:
         wr.set_wr_rdma(self.remote["rkey"], self.remote["addr"])
         clock = time.perf_counter_ns
         poll = self.cq.poll
-        yield_cpu = os.sched_yield
+        idle = self._idle
         samples: list[int] = []
         deadline = None if duration_s is None else clock() + int(duration_s * 1e9)
         i = 0
@@ -363,7 +375,7 @@ class VerbsSide:
                 spins += 1
                 if spins % CHECK_EVERY == 0:
                     self._stalled(since, "waiting for a Read completion")
-                yield_cpu()
+                idle()
             t1 = clock()
             self._check(wcs)
             if i >= warmup:
@@ -393,7 +405,7 @@ class VerbsSide:
         qpn_index = {qp.qp_num: k for k, qp in enumerate(self.qps)}
         clock = time.perf_counter_ns
         poll = self.cq.poll
-        yield_cpu = os.sched_yield
+        idle = self._idle
         signaled = E.IBV_SEND_SIGNALED
         completions: list[int] = []
         start = clock()
@@ -432,7 +444,7 @@ class VerbsSide:
             else:
                 if time.monotonic() - since > STALL_S:
                     raise VerbsRunError(f"no completion for {STALL_S:g} s ({sum(done)} of {sum(posted)} done)")
-                yield_cpu()
+                idle()
         return bandwidth_stats(size, start, completions, depth)
 
     def close(self) -> None:

@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-q", "--qps", type=int, default=1, help="number of QPs (bandwidth tests)")
     perf.add_argument("-t", "--tx-depth", dest="tx_depth", type=int, help="messages in flight per QP (bandwidth tests; default 128)")
     perf.add_argument("-m", "--mtu", type=int, default=1500, help="UDP path MTU in bytes (default 1500)")
+    perf.add_argument("-e", "--events", dest="use_events", action="store_true", help="sleep on CQ events instead of busy-polling")
     perf.add_argument("-d", "--device", help="the udpverbs device (daemon) to use")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -137,6 +138,7 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             baseline=args.baseline,
             baseline_only=args.baseline_only,
             max_size=args.max_size,
+            use_events=args.use_events,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -97,3 +97,9 @@ def test_unreachable_server_fails_with_status_1(capsys: pytest.CaptureFixture[st
         rc = cli.main(["perf", "write_lat", "--peer", f"127.0.0.1:{port}", "--baseline", "raw-udp", "--baseline-only"])
     assert rc == 1
     assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_events_flag_applies_to_cq_polling_tests_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _params("read_lat", "-e").use_events
+    assert cli.main(["perf", "write_lat", "-e"]) == 2
+    assert "-e does not apply" in capsys.readouterr().err

@@ -28,8 +28,10 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict
         # two QPs share the iterations; 41 is odd so one QP ends on its quota, not on cq_mod
         (["write_bw", "-s", "5000", "-n", "41", "-q", "2", "-t", "8"], BW, 41),
         (["read_bw", "-s", "4096", "-n", "30", "-t", "4", "--baseline", "raw-udp"], BW, 30),
+        # -e: sleep on the CQ's completion events instead of busy-polling
+        (["write_bw", "-s", "2", "-n", "20", "-e"], BW, 20),
     ],
-    ids=["write_lat", "read_lat", "write_bw_2qps", "read_bw"],
+    ids=["write_lat", "read_lat", "write_bw_2qps", "read_bw", "write_bw_events"],
 )
 def test_local_run_reports_a_sane_row(capsys: pytest.CaptureFixture[str], argv: list[str], keys: set[str], iters: int) -> None:
     rc, rows, err = _run(capsys, *argv, "--local", "--json")
