@@ -217,6 +217,7 @@ class Link:
         self._rto_backoff = 1
         self._consecutive_rto = 0
         self._pace_deadline: float | None = None
+        self._cwnd_limited = True
         # receiver
         self.rcv_nxt = 0
         self._ooo: dict[int, bytes] = {}
@@ -480,7 +481,9 @@ class Link:
             self.stats.fast_retransmits += len(rec.lost) - nlost
             cc.on_packets_lost(lost, now)
         if acked:
-            cc.on_packets_acked(acked, rtt_s, now)
+            # Growth only when the window was what limited us (RFC 7661); the
+            # RTT sample still counts (EFE's decrease, the base-RTT filter).
+            cc.on_packets_acked(acked if self._cwnd_limited else 0, rtt_s, now)
         self.pacer.rate_Bps = cc.pacing_rate_Bps(self.rtt.srtt_s)
         if cum > una:
             # RFC 6298 §5.3: restart the timer on new cumulative ACK; progress
@@ -687,6 +690,11 @@ class Link:
             tail = (self.path_id, self.peer_tag)
             isn = self.isn
             next_n = self._next_n
+            # Not limited by the window when we run out of data or of the
+            # peer's window with the window less than half used (RFC 7661):
+            # then ACKs must not grow it, or an idle-ish link accumulates a
+            # window it never tested.
+            limited = False
             while True:
                 retx = False
                 if lost:
@@ -713,6 +721,7 @@ class Link:
                         lost.appendleft(n)
                     if cwnd_ok:  # only the pacer holds it back: wake then
                         self._pace_deadline = pacer.next_send_s
+                    limited = not cwnd_ok  # the window itself holds data back
                     break
                 if retx:
                     stats.retransmits += 1
@@ -727,6 +736,9 @@ class Link:
                 pacer.on_sent(size, now)
                 sent += 1
             self._snd_nxt = snd_nxt
+            self._cwnd_limited = limited or rec.bytes_in_flight * 2 >= cwnd
+        else:
+            self._cwnd_limited = rec.bytes_in_flight * 2 >= self.cc.cwnd_bytes
         if sent:
             stats.data_sent += sent
             self._ack_count = 0

@@ -431,3 +431,21 @@ def test_window_update_reopens_a_zero_window_at_once() -> None:
     assert wl.decode_untrusted(update)[0].rwnd == 4
     feed(a, [update], t + 3 * D)
     assert len(a.datagrams_to_send(t + 3 * D)) == 2  # messages 4 and 5
+
+
+def test_window_does_not_grow_when_not_the_limit() -> None:
+    # RFC 7661: the peer's 4-packet window, not cwnd, limits this sender, so
+    # ACKs must not inflate a window that is never used.
+    a, b = make_pair(cfg(cc="aimd", cc_params={}, rwnd_packets=4))
+    t = establish(a, b)
+    start = a.cwnd_bytes
+    now = t
+    for i in range(200):
+        a.send(bytes([i % 256]), now)
+    for _ in range(60):
+        feed(b, a.datagrams_to_send(now), now + D)
+        b.drain_received()
+        feed(a, b.datagrams_to_send(now + D), now + 2 * D)
+        now += 2 * D
+    assert a.acked == 200
+    assert a.cwnd_bytes == start
