@@ -226,6 +226,10 @@ class VerbsSide:
         from .perf import RUN_TIMEOUT_S, STEP_TIMEOUT_S, warmup_iters
 
         spec = self.params.spec
+        if spec.name == "write_lat":
+            # Clear the landing marker before the barrier: after it the peer's
+            # first Write may land at any moment.
+            self.mr.mv[self.half + size - 1] = 0
         self.ctrl.exchange({"op": "verbs-run", "size": size}, STEP_TIMEOUT_S)
         result: LatencyStats | BandwidthStats | None
         try:
@@ -283,7 +287,6 @@ class VerbsSide:
             send_flags=E.IBV_SEND_SIGNALED,
         )  # fmt: skip
         wr.set_wr_rdma(self.remote["rkey"], self.remote["addr"] + self.half)
-        mv[land_last] = 0
         clock = time.perf_counter_ns
         yield_cpu = os.sched_yield
         outstanding = 0
