@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int, help=f"UDP payload bytes per datagram (default {DEFAULT_MTU})")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     p.add_argument("--spin-us", type=float, help="idle spin before sleeping, microseconds (default 200)")
-    p.add_argument("--cc", help="link congestion control: efe, aimd or fixed (default efe)")
+    p.add_argument("--cc", help="link congestion control: efe-host, efe, aimd or fixed (default efe-host: EFE tuned for host scheduling noise)")
     p.add_argument("--link", action="append", default=[], metavar="KEY=VALUE",
                    help="a transport.LinkConfig field, e.g. --link dead_peer_s=1.0 (repeatable)")
     p.add_argument("--seed", type=int, help="seed of the daemon's random numbers (tags, ISNs)")
@@ -73,7 +73,7 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
-                           "cc": "efe"}
+                           "cc": "efe-host"}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)

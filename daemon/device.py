@@ -43,6 +43,7 @@ import socket
 from typing import Any
 
 import trio
+import trio.testing
 
 from ..transport.congestion.base import create as create_cc
 from ..transport.link import Link, LinkConfig, LinkFailed, LinkUp
@@ -87,7 +88,7 @@ class DeviceConfig:
                  mtu: int = 1472, spin_us: float = 200.0, max_sleep_s: float = 0.05,
                  max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
-                 seed: int | None = None, cc: str = "efe", link: dict[str, Any] | None = None) -> None:
+                 seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -437,13 +438,14 @@ class Device:
         try:
             if self.poll_once():
                 return
-            # Let every runnable trio task (control plane) run first.
-            await trio.lowlevel.checkpoint()
+            # Let every other trio task (control plane) run until all are blocked.
+            # A bare checkpoint is not enough: a task woken in the same scheduler
+            # batch as us is neither runnable-counted nor run yet, and it may hold
+            # a request already read from its socket, which our epoll cannot see.
+            await trio.testing.wait_all_tasks_blocked()
             if self.poll_once():
                 return
             stats = trio.lowlevel.current_statistics()
-            if stats.tasks_runnable or stats.run_sync_soon_queue_size:
-                return
             timeout = min(self.next_deadline() - trio.current_time(), stats.seconds_to_next_deadline)
             if timeout < 0.002:
                 return  # epoll_wait counts whole milliseconds: keep spinning for a deadline this close

@@ -23,12 +23,8 @@ ACCESS_ALL = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOT
 @pytest.fixture(scope="package")
 def daemons() -> Iterator[tuple[DaemonProc, DaemonProc]]:
     with tempfile.TemporaryDirectory(prefix="udpverbs-test-") as d:
-        # AIMD rather than the default EFE: at this commit EFE's 3 µs target queue
-        # reads Python's scheduling jitter on loopback as congestion and holds the
-        # window under one packet (8 MiB took ~30 s).  These tests are about the
-        # RNIC's semantics; the controllers are tested in tests/transport.
-        a = DaemonProc("uvA", "127.0.0.2", d, seed=11, extra=("--cc", "aimd"))
-        b = DaemonProc("uvB", "127.0.0.3", d, seed=12, extra=("--cc", "aimd"))
+        a = DaemonProc("uvA", "127.0.0.2", d, seed=11)  # default congestion control (efe-host)
+        b = DaemonProc("uvB", "127.0.0.3", d, seed=12)
         a.start()
         try:
             b.start()
