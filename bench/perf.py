@@ -166,8 +166,9 @@ class PerfParams:
                 raise PerfUsageError("-t must be between 1 and 16384")
             if spec.is_latency and self.tx_depth != 1:
                 raise PerfUsageError("latency tests keep one message in flight: -t applies to bandwidth tests")
-        if not 128 <= self.mtu <= 65535:
-            raise PerfUsageError("-m (the UDP path MTU) must be between 128 and 65535 bytes")
+        if not 576 <= self.mtu <= 65535:
+            # 576: the smallest datagram every IPv4 host must accept (RFC 791)
+            raise PerfUsageError("-m (the IP path MTU) must be between 576 and 65535 bytes")
         if self.baseline is not None and self.baseline not in BASELINES:
             raise PerfUsageError(f"unknown baseline {self.baseline!r}; choose one of {', '.join(BASELINES)}")
         if self.use_events and self.test == "write_lat":

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "perf",
         help="perftest-style latency and bandwidth tests",
         description="Without --peer this is the server; with --peer HOST[:PORT] the client; "
-        "--local runs both sides on this host.",
+        "--local runs both sides on this host. The client's parameters rule the session: "
+        "a server needs only the test name (and -d/-p/--bind).",
     )
     perf.add_argument("test", choices=list(TESTS), help="the test, as perftest's ib_<test>")
     perf.add_argument("-s", "--size", type=_size, help="message size in bytes (default 2 for latency, 65536 for bandwidth)")
@@ -97,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-D", "--duration", dest="duration_s", type=float, help="run each size for this many seconds instead")
     perf.add_argument("-q", "--qps", type=int, default=1, help="number of QPs (bandwidth tests)")
     perf.add_argument("-t", "--tx-depth", dest="tx_depth", type=int, help="messages in flight per QP (bandwidth tests; default 128)")
-    perf.add_argument("-m", "--mtu", type=int, default=1500, help="UDP path MTU in bytes (default 1500)")
+    perf.add_argument("-m", "--mtu", type=int, default=1500, help="IP path MTU in bytes (default 1500): the baseline's datagrams and the --local daemons' (a daemon you started keeps its own)")
     perf.add_argument("-e", "--events", dest="use_events", action="store_true", help="sleep on CQ events instead of busy-polling")
-    perf.add_argument("-d", "--device", help="the udpverbs device (daemon) to use")
+    perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
     role.add_argument("--peer", help="run as the client of the server at HOST[:PORT]")
