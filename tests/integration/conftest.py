@@ -41,6 +41,7 @@ class Side:
 
     def __init__(self, daemon: DaemonProc, mr_size: int = 1 << 20, access: int = ACCESS_ALL,
                  cap: verbs.QPCap | None = None) -> None:
+        self.cap = cap
         self.ctx = verbs.Context(socket_path=daemon.socket_path)
         self.pd = verbs.PD(self.ctx)
         self.mr = verbs.MR(self.pd, mr_size, access)
@@ -49,7 +50,7 @@ class Side:
 
     def new_qp(self, cap: verbs.QPCap | None = None) -> verbs.QP:
         return verbs.QP(self.pd, verbs.QPInitAttr(qp_type=IBV_QPT_RC, scq=self.cq, rcq=self.cq,
-                                                  cap=cap or verbs.QPCap(64, 64, 4, 4), sq_sig_all=0))
+                                                  cap=cap or self.cap or verbs.QPCap(64, 64, 4, 4), sq_sig_all=0))
 
     def close(self) -> None:
         self.ctx.close()

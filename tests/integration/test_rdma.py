@@ -9,6 +9,10 @@ import trio
 
 from udpverbs import verbs
 from udpverbs.verbs.enums import (
+    IBV_QP_STATE,
+    IBV_QPS_RTS,
+    IBV_QPS_SQD,
+    IBV_SEND_INLINE,
     IBV_SEND_SIGNALED,
     IBV_WC_RDMA_READ,
     IBV_WC_RDMA_WRITE,
@@ -156,6 +160,33 @@ async def test_trio_api(daemons) -> None:
             n, (wc,) = cq2.poll(1)
             assert (n, wc.wr_id, wc.status) == (1, 42, IBV_WC_SUCCESS)
             assert a.mr.read(10004, 50000) == bytes([4]) * 10004
+    finally:
+        a.close()
+        b.close()
+
+
+def test_inline_write_and_sqd_pause(daemons) -> None:
+    a, b = Side(daemons[0], cap=verbs.QPCap(16, 16, 4, 4, max_inline_data=128)), Side(daemons[1])
+    try:
+        connect_manual(a, a.qp, b, b.qp)
+        # Inline: the library copies the bytes into the WQE; the source need not stay intact.
+        a.mr.write(b"inline payload!!", 16, 0)
+        wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(a.mr.buf, 16, a.mr.lkey)],
+                          send_flags=IBV_SEND_SIGNALED | IBV_SEND_INLINE)
+        wr.set_wr_rdma(b.mr.rkey, b.mr.buf + 3)
+        a.qp.post_send(wr)
+        a.mr.write(b"X" * 16, 16, 0)
+        (wc,) = a.cq.poll_blocking(1, timeout=10)
+        assert wc.status == IBV_WC_SUCCESS and b.mr.read(16, 3) == b"inline payload!!"
+        # SQD: the send queue stops taking WQEs; back to RTS, they go.
+        a.qp.modify(verbs.QPAttr(qp_state=IBV_QPS_SQD), IBV_QP_STATE)
+        _post(a.qp, IBV_WR_RDMA_WRITE, [verbs.SGE(a.mr.buf, 16, a.mr.lkey)], b.mr.rkey, b.mr.buf + 100, 2)
+        with pytest.raises(TimeoutError):
+            a.cq.wait(timeout=0.3)
+        assert b.mr.read(16, 100) == bytes(16)
+        a.qp.modify(verbs.QPAttr(qp_state=IBV_QPS_RTS), IBV_QP_STATE)
+        (wc,) = a.cq.poll_blocking(1, timeout=10)
+        assert (wc.wr_id, wc.status) == (2, IBV_WC_SUCCESS) and b.mr.read(16, 100) == b"X" * 16
     finally:
         a.close()
         b.close()
