@@ -5,10 +5,10 @@ Theory of operation
 ``udpverbs perf TEST --local`` stands for two hosts with two loopback
 addresses, 127.0.0.2 (server) and 127.0.0.3 (client): Linux answers on all
 of 127.0.0.0/8 without configuration.  When udpverbs itself is measured,
-one daemon per "host" is started first (:class:`LocalDaemons`); then the
-server side runs as a child process of this one (:func:`start_server`), so
-the two sides are two processes, as on two hosts, and this process is the
-client.
+one daemon per "host" is started (:class:`LocalDaemons`), and at the same
+time the server side as a child process of this one (:func:`spawn_server`;
+it opens its daemon only when the client asks, by then ready), so the two
+sides are two processes, as on two hosts, and this process is the client.
 
 Every child reports readiness on a pipe whose write end it inherits
 (``--ready-fd N``): the parent blocks on the read end with a timeout instead
@@ -39,42 +39,63 @@ class LocalRunError(Exception):
     """A local child process failed to start or to report readiness."""
 
 
-def spawn_ready(
-    argv: Sequence[str],
-    *,
-    timeout_s: float = READY_TIMEOUT_S,
-    stdout: int | IO[bytes] | None = None,
-    env: dict[str, str] | None = None,
-) -> tuple[subprocess.Popen[bytes], str]:
-    """Start a child and wait for the line it writes on its ready pipe.
+class Child:
+    """A child process started with a readiness pipe (see :func:`spawn`)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], ready_r: int, what: str) -> None:
+        self.proc = proc
+        self._ready_r: int | None = ready_r
+        self.what = what
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """Wait for the line the child writes on its ready pipe.
+
+        Returns: the line, without the newline.
+        Raises: LocalRunError if it exits or stays silent; the child is then
+        stopped before raising.
+        """
+        r = self._ready_r
+        assert r is not None, "wait_ready called twice"
+        self._ready_r = None
+        try:
+            line = _read_line(r, timeout_s)
+        except LocalRunError:
+            stop_process(self.proc)
+            raise
+        finally:
+            os.close(r)
+        if line is None:
+            code = stop_process(self.proc)
+            raise LocalRunError(f"{self.what} exited (status {code}) before it was ready")
+        return line
+
+    def stop(self) -> None:
+        """Stop the child by pid and drop the pipe (safe twice)."""
+        if self._ready_r is not None:
+            os.close(self._ready_r)
+            self._ready_r = None
+        stop_process(self.proc)
+
+
+def spawn(argv: Sequence[str], *, stdout: int | IO[bytes] | None = None) -> Child:
+    """Start a child that will report readiness on an inherited pipe.
 
     Takes: the command line, where ``{ready_fd}`` in any argument is replaced
-    by the number of the inherited pipe's write end; the longest wait; where
-    its stdout goes (its stderr is ours, so its errors are seen).
-    Returns: (the process, the line it wrote, without the newline).
-    Raises: LocalRunError if it exits or stays silent; the child is then
-    stopped before raising.
+    by the number of the pipe's write end; where its stdout goes (its stderr
+    is ours, so its errors are seen).
+    Returns: the :class:`Child`; call ``wait_ready`` (several children may
+    start at once and be waited for in turn).
     """
     r, w = os.pipe()
     try:
         args = [a.replace("{ready_fd}", str(w)) for a in argv]
-        proc = subprocess.Popen(args, pass_fds=(w,), stdout=stdout, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(args, pass_fds=(w,), stdout=stdout, stdin=subprocess.DEVNULL)
     except BaseException:
         os.close(r)
         os.close(w)
         raise
     os.close(w)  # only the child holds the write end now: EOF means it died
-    try:
-        line = _read_line(r, timeout_s)
-    except LocalRunError:
-        stop_process(proc)
-        raise
-    finally:
-        os.close(r)
-    if line is None:
-        code = stop_process(proc)
-        raise LocalRunError(f"{' '.join(argv[:4])} … exited (status {code}) before it was ready")
-    return proc, line
+    return Child(proc, r, " ".join(argv[:4]) + " …")
 
 
 def _read_line(fd: int, timeout_s: float) -> str | None:
@@ -128,26 +149,31 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "udpverbs.cli", *args]
 
 
-def start_server(
-    test: str, *, device: str | None, json_out: bool = False, quiet: bool = True
-) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the server side of a local run as a child process.
+def spawn_server(test: str, *, device: str | None, quiet: bool = True) -> Child:
+    """Start the server side of a local run as a child process (not waited for).
 
-    Takes: the test; the server's daemon (None for a baseline-only run);
-    whether its output is thrown away (the client prints the same rows).
-    Returns: (the process, the TCP port it listens on at SERVER_IP).
-    Raises: LocalRunError if it does not come up.
+    Takes: the test; the server's daemon (None for a baseline-only run: the
+    server opens it only once the client asks for udpverbs, so it may start
+    before its daemon is ready); whether its output is thrown away (the
+    client prints the same rows).
+    Returns: the child; its ready line is the TCP port it listens on at SERVER_IP.
     """
     argv = cli_argv("perf", test, "--bind", SERVER_IP, "--port", "0", "--ready-fd", "{ready_fd}")
     if device is not None:
         argv += ["--device", device]
-    if json_out:
-        argv.append("--json")
-    proc, line = spawn_ready(argv, stdout=subprocess.DEVNULL if quiet else None)
+    return spawn(argv, stdout=subprocess.DEVNULL if quiet else None)
+
+
+def server_port(child: Child) -> int:
+    """Wait for the server child to listen; return its port.
+
+    Raises: LocalRunError if it does not come up.
+    """
+    line = child.wait_ready()
     try:
-        return proc, int(line)
+        return int(line)
     except ValueError:
-        stop_process(proc)
+        child.stop()
         raise LocalRunError(f"server reported {line!r} instead of its port") from None
 
 
@@ -162,25 +188,37 @@ class LocalDaemons:
     """
 
     mtu: int = 1500
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
     server_device: str | None = None
     client_device: str | None = None
     runtime_dir: str | None = None
 
-    def __enter__(self) -> "LocalDaemons":
+    def start(self) -> None:
+        """Start both daemons without waiting; ``*_device`` are known at once.
+
+        Call :meth:`wait_ready` before using them (start the server meanwhile).
+        """
         from . import verbs_perf
 
+        self.runtime_dir = tempfile.mkdtemp(prefix="udpverbs-local-")
+        for ip, name in ((SERVER_IP, "uvlocal-s"), (CLIENT_IP, "uvlocal-c")):
+            path = os.path.join(self.runtime_dir, f"{name}.sock")
+            argv = verbs_perf.daemon_command(ip, name, path, self.mtu - 28)
+            self.children.append(spawn(argv, stdout=subprocess.DEVNULL))
+            if ip == SERVER_IP:
+                self.server_device = path
+            else:
+                self.client_device = path
+
+    def wait_ready(self) -> None:
+        """Wait until both daemons serve.  Raises LocalRunError if one does not."""
+        for child in self.children:
+            child.wait_ready()
+
+    def __enter__(self) -> "LocalDaemons":
         try:
-            self.runtime_dir = tempfile.mkdtemp(prefix="udpverbs-local-")
-            for ip, name in ((SERVER_IP, "uvlocal-s"), (CLIENT_IP, "uvlocal-c")):
-                path = os.path.join(self.runtime_dir, f"{name}.sock")
-                argv = verbs_perf.daemon_command(ip, name, path, self.mtu - 28)
-                proc, _ = spawn_ready(argv, stdout=subprocess.DEVNULL)
-                self.procs.append(proc)
-                if ip == SERVER_IP:
-                    self.server_device = path
-                else:
-                    self.client_device = path
+            self.start()
+            self.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -188,8 +226,8 @@ class LocalDaemons:
 
     def close(self) -> None:
         """Stop every daemon started and remove the runtime directory (safe twice)."""
-        while self.procs:
-            stop_process(self.procs.pop())
+        while self.children:
+            self.children.pop().stop()
         if self.runtime_dir is not None:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
             self.runtime_dir = None

@@ -206,9 +206,13 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
     daemons = local.LocalDaemons(mtu=params.mtu)
     server = None
     try:
+        # Start the daemons and the server at once: the server opens its
+        # daemon only when the client asks, after both are ready.
         if not params.baseline_only:
-            daemons.__enter__()
-        server, port = local.start_server(params.test, device=daemons.server_device)
+            daemons.start()
+        server = local.spawn_server(params.test, device=daemons.server_device)
+        daemons.wait_ready()
+        port = local.server_port(server)
         rows = run_client(
             params,
             local.SERVER_IP,
@@ -219,14 +223,14 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
             progress=progress,
             out=out,
         )
-        status = local.wait_process(server, local.STOP_GRACE_S)
+        status = local.wait_process(server.proc, local.STOP_GRACE_S)
         server = None
         if status != 0:
             raise local.LocalRunError(f"the server side exited with status {status}")
         return rows
     finally:
         if server is not None:
-            local.stop_process(server)
+            server.stop()
         daemons.close()
 
 

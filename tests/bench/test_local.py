@@ -15,17 +15,17 @@ PY = sys.executable
 
 def test_child_reports_readiness_on_its_pipe() -> None:
     code = "import os,sys,time; os.write(int(sys.argv[1]), b'4242\\n'); time.sleep(30)"
-    proc, line = local.spawn_ready([PY, "-c", code, "{ready_fd}"], timeout_s=20)
+    child = local.spawn([PY, "-c", code, "{ready_fd}"])
     try:
-        assert line == "4242" and proc.poll() is None
+        assert child.wait_ready(20) == "4242" and child.proc.poll() is None
     finally:
-        status = local.stop_process(proc)
-    assert status is not None and proc.poll() is not None
+        child.stop()
+    assert child.proc.poll() is not None
 
 
 def test_child_dying_before_ready_is_an_error() -> None:
     with pytest.raises(local.LocalRunError, match="exited"):
-        local.spawn_ready([PY, "-c", "raise SystemExit(3)", "{ready_fd}"], timeout_s=20)
+        local.spawn([PY, "-c", "raise SystemExit(3)", "{ready_fd}"]).wait_ready(20)
 
 
 def test_silent_child_is_stopped_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,7 +40,7 @@ def test_silent_child_is_stopped_after_the_timeout(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(local.subprocess, "Popen", recording_popen)
     try:
         with pytest.raises(local.LocalRunError, match="not ready"):
-            local.spawn_ready([PY, "-c", "import time; time.sleep(30)", "{ready_fd}"], timeout_s=0.5)
+            local.spawn([PY, "-c", "import time; time.sleep(30)", "{ready_fd}"]).wait_ready(0.5)
     finally:
         for p in started:
             local.stop_process(p)
