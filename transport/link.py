@@ -19,7 +19,10 @@ converge: an INIT received while INIT_SENT is answered with INIT_ACK and both
 sides finish on the other's INIT_ACK.  INIT/INIT_ACK retransmit with
 exponential back-off and fail after ``max_init_retransmits``.  An INIT with a
 different *incarnation* from an established peer means the peer restarted:
-``LinkFailed("peer_restarted")``.
+``LinkFailed("peer_restarted")``; the same incarnation with a new tag means
+the peer dropped its end of the link: ``LinkFailed("peer_reset")``.  (INIT
+is unauthenticated, as SCTP's: a spoofer who knows the addresses can reset
+a link, but cannot inject data without the 32-bit tag.)
 
 Data: message ``n`` travels as wire sequence ``isn + n mod 2**32``; numbers
 are unwrapped against the current window (half the sequence space either
@@ -49,7 +52,8 @@ RTT sample.  A sample is taken from an ACK that newly acknowledges data
 Loss recovery (``recovery.py``): SACK + transmission-id threshold for fast
 retransmit, RFC 6298 RTO with exponential back-off; ``max_retransmits``
 consecutive RTOs without progress fail the link.  Congestion control
-(``congestion/``) gives ``cwnd_bytes`` and a pacing rate (``pacer.py``).
+(``congestion/``) gives ``cwnd_bytes`` and a pacing rate (``pacer.py``); the
+window grows only while it is what limits the sender (RFC 7661).
 
 Liveness: after ``keepalive_idle_s`` without hearing from the peer we send
 KEEPALIVE (answered by an immediate ACK), again every ``keepalive_idle_s``;
