@@ -152,6 +152,7 @@ class Device:
         self._watched: set[int] = set()
         self.cm: Any = None  # set by the connection manager
         self._sleeping = False
+        self.inflight_spin_s = max(config.spin_s, 0.002) if config.spin_s > 0 else 0.0
 
     # -- setup ----------------------------------------------------------------
     def bind(self) -> tuple[str, int]:
@@ -399,6 +400,12 @@ class Device:
         if self.cm is not None:
             self.cm.on_link_failed(pl)
 
+    def _awaiting_peer(self) -> bool:
+        for pl in self.links.values():
+            if pl.link.bytes_in_flight:
+                return True
+        return False
+
     def next_deadline(self) -> float:
         t = self.now + self.config.max_sleep_s
         for pl in self.links.values():
@@ -419,8 +426,10 @@ class Device:
                     busy = 0
                     await trio.lowlevel.checkpoint()  # let the control plane in
                 continue
-            # Idle: spin a little (a doorbell or datagram usually follows soon).
-            spin_end = self.now + spin_s
+            # Idle: spin a little (a doorbell or datagram usually follows soon);
+            # longer while our data is in flight, since its ACK is due within an
+            # RTT and sleeping would add a vCPU wake-up to every round trip.
+            spin_end = self.now + (self.inflight_spin_s if self._awaiting_peer() else spin_s)
             found = False
             while trio.current_time() < spin_end:
                 os.sched_yield()
