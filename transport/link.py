@@ -699,6 +699,7 @@ class Link:
             # then ACKs must not grow it, or an idle-ish link accumulates a
             # window it never tested.
             limited = False
+            sent_bytes = 0
             while True:
                 retx = False
                 if lost:
@@ -739,7 +740,10 @@ class Link:
                 rec.on_sent(n, size, retx)
                 pacer.on_sent(size, now)
                 sent += 1
+                sent_bytes += size
             self._snd_nxt = snd_nxt
+            if sent_bytes:
+                self.cc.on_packet_sent(sent_bytes, now)
             self._cwnd_limited = limited or rec.bytes_in_flight * 2 >= cwnd
         else:
             self._cwnd_limited = rec.bytes_in_flight * 2 >= self.cc.cwnd_bytes

@@ -44,7 +44,11 @@ class CongestionController(abc.ABC):
         self.cwnd_bytes: float = 10.0 * mss
 
     def on_packet_sent(self, size: int, now: float) -> None:  # noqa: B027 - optional hook
-        """One packet of ``size`` bytes left (new or retransmitted)."""
+        """``size`` bytes of DATA left at ``now`` (new or retransmitted).
+
+        Called once per burst (one ``datagrams_to_send``), not per packet,
+        to keep the per-packet path lean.
+        """
 
     @abc.abstractmethod
     def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float) -> None:
