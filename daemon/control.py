@@ -300,6 +300,7 @@ class Session:
     def destroy_qp(self, qp: QueuePair) -> None:
         d = self.device
         if d.cm is not None:
+            d.cm.disconnect(qp)  # the peer QP moves to ERR instead of waiting on a dead QPN
             d.cm.qp_destroyed(qp)
         qp.state = S.IBV_QPS_RESET
         d.detach_link(qp)
@@ -330,8 +331,6 @@ class Session:
         for qpn in list(self.qps):
             qp = d.qps.get(qpn)
             if qp is not None:
-                if d.cm is not None:
-                    d.cm.disconnect(qp)
                 self.destroy_qp(qp)
         for h in list(self.cqs):
             cq = d.cqs.find(h)

@@ -126,3 +126,16 @@ async def test_cm_with_trio(sides, daemons) -> None:
                 n.start_soon(server)
                 conn = await verbs.connect_async(a.qp, "127.0.0.3", 7005, udp_port=daemons[1].port)
     assert conn.remote_qpn == b.qp.qp_num
+
+
+def test_destroying_a_connected_qp_ends_the_peer(sides, daemons) -> None:
+    a, b = sides
+    with verbs.CMListener(b.ctx, port=7006) as lst:
+        out: dict = {}
+        t = _accept_in_thread(lst, b.qp, b"", out)
+        verbs.connect(a.qp, "127.0.0.3", 7006, udp_port=daemons[1].port, timeout=10)
+        t.join(10)
+    a.qp.close()  # as when an application exits without disconnecting
+    b.qp.post_recv(verbs.RecvWR(wr_id=4))
+    (wc,) = b.cq.poll_blocking(1, timeout=10)
+    assert (wc.wr_id, wc.status) == (4, IBV_WC_WR_FLUSH_ERR)
