@@ -90,6 +90,23 @@ def test_ping_pong_in_bursts_survives_lost_datagrams(relayed) -> None:  # type: 
     assert latency_stats(samples).t_min_us > 0
 
 
+def test_read_shaped_ping_pong_small_request_long_reply(relayed) -> None:  # type: ignore[no-untyped-def]
+    a, b, relay = relayed
+    size = 5 * rawudp.chunk_bytes(1500)  # the reply: 5 datagrams, bursts of 2, 2, 1; the request: 1 byte
+    done = threading.Event()
+    result: dict[str, object] = {}
+
+    def serve() -> None:
+        result["n"] = rawudp.latency_server(b, size, 1500, stop=done.is_set, run=9, window=2, request_size=1)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    samples = rawudp.latency_client(a, size, 1500, iters=5, run=9, window=2, request_size=1, rtt_factor=1)
+    done.set()
+    t.join(10)
+    assert result["n"] == 5 and len(samples) == 5 and relay.dropped == 3
+
+
 def test_stream_survives_lost_datagrams_and_counts_every_message(relayed) -> None:  # type: ignore[no-untyped-def]
     a, b, relay = relayed
     size = 3000  # 3 datagrams a message
