@@ -67,7 +67,6 @@ import enum
 import random
 from collections import deque
 from dataclasses import dataclass, field, fields
-from functools import partial
 from typing import Any
 
 from ..wire import link as wl
@@ -88,6 +87,7 @@ _ABORT = wl.PacketType.ABORT
 _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _RETX = int(wl.LinkFlags.RETRANSMISSION)
 _Header = wl.LinkHeader
+_TN = tuple.__new__  # builds a NamedTuple without its Python-level __new__
 _encode = wl.encode
 _decode = wl.decode_untrusted
 
@@ -99,6 +99,9 @@ class LinkState(enum.IntEnum):
     ESTABLISHED = 3
     CLOSED = 4  #: close() called
     FAILED = 5  #: sticky; see the LinkFailed event for the reason
+
+
+_ESTABLISHED = LinkState.ESTABLISHED
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ class Link:
         self._consecutive_rto = 0
         self._pace_deadline: float | None = None
         self._cwnd_limited = True
+        self._last_ack_field = -1  # the ack field last processed (fast path)
         # receiver
         self.rcv_nxt = 0
         self._ooo: dict[int, bytes] = {}
@@ -447,6 +451,12 @@ class Link:
         return s
 
     def _process_ack(self, h: wl.LinkHeader, now: float) -> None:
+        if h.ack == self._last_ack_field and not h.sack and self.rtt.srtt_s is not None:
+            # The common case on the receiving side of a bulk transfer: the
+            # peer's ACK field has not moved, and nothing is SACKed.
+            self.peer_rwnd = h.rwnd
+            return
+        self._last_ack_field = h.ack
         rec = self.recovery
         una = rec.una
         base = self.isn + una
@@ -634,12 +644,10 @@ class Link:
         return w
 
     def _control(self, ptype: int, flags: int, now: float) -> bytes:
-        h = _Header(ptype, flags, self.path_id, self.peer_tag,
-                    (self.isn + self._snd_nxt) & _U32,
-                    (self.peer_isn + self.rcv_nxt) & _U32,
-                    int(now * 1e6) & _U32, self._echo(now), self._advertised_window(),
-                    self._sack_blocks() if self._ranges else ())
-        return _encode(h)
+        return _encode(_TN(_Header, (
+            ptype, flags, self.path_id, self.peer_tag, (self.isn + self._snd_nxt) & _U32,
+            (self.peer_isn + self.rcv_nxt) & _U32, int(now * 1e6) & _U32, self._echo(now),
+            self._advertised_window(), self._sack_blocks() if self._ranges else ())))
 
     # --- sending ------------------------------------------------------------
 
@@ -680,18 +688,24 @@ class Link:
             limit = rec.una + self.peer_rwnd  # the peer's receive window
         stats = self.stats
         sent = 0
-        if lost or snd_nxt < limit:
+        cwnd = self.cc.cwnd_bytes
+        pacer = self.pacer
+        if (lost or snd_nxt < limit) and (rec.bytes_in_flight >= cwnd or now < pacer.next_send_s):
+            # Data waits but nothing may leave: skip building headers (the
+            # SACK blocks are the costly part) just to find that out.
+            if rec.bytes_in_flight < cwnd:
+                self._pace_deadline = pacer.next_send_s
+            self._cwnd_limited = rec.bytes_in_flight * 2 >= cwnd
+        elif lost or snd_nxt < limit:
             messages = rec.messages
-            cwnd = self.cc.cwnd_bytes
-            pacer = self.pacer
             overhead = wl.OVERHEAD
             ts = int(now * 1e6) & _U32
             ack = (self.peer_isn + self.rcv_nxt) & _U32
             echo = self._echo(now)
             rwnd = self._advertised_window()
             sack = self._sack_blocks() if self._ranges else ()
-            hdr = partial(_Header, _DATA)
-            tail = (self.path_id, self.peer_tag)
+            path_id = self.path_id
+            peer_tag = self.peer_tag
             isn = self.isn
             next_n = self._next_n
             # Not limited by the window when we run out of data or of the
@@ -736,7 +750,8 @@ class Link:
                     # ACK_NOW on the last queued message, so the peer does
                     # not hold the ACK of a burst's tail for max_ack_delay_s.
                     flags = _ACK_NOW if snd_nxt >= next_n else 0
-                out.append(_encode(hdr(flags, *tail, (isn + n) & _U32, ack, ts, echo, rwnd, sack), body))
+                out.append(_encode(_TN(_Header, (_DATA, flags, path_id, peer_tag, (isn + n) & _U32,
+                                                 ack, ts, echo, rwnd, sack)), body))
                 rec.on_sent(n, size, retx)
                 pacer.on_sent(size, now)
                 sent += 1
@@ -770,15 +785,23 @@ class Link:
     def next_deadline(self) -> float | None:
         """The earliest time ``timer_fired`` must be called, or None."""
         state = self.state
-        if state == LinkState.ESTABLISHED:
+        if state == _ESTABLISHED:
             c = self.config
-            t = self._last_heard + c.dead_peer_s
-            k = max(self._last_heard, self._last_keepalive) + c.keepalive_idle_s
+            heard = self._last_heard
+            t = heard + c.dead_peer_s
+            k = self._last_keepalive
+            k = (k if k > heard else heard) + c.keepalive_idle_s
             if k < t:
                 t = k
-            for d in (self._rto_deadline, self._ack_deadline, self._pace_deadline):
-                if d is not None and d < t:
-                    t = d
+            d = self._rto_deadline
+            if d is not None and d < t:
+                t = d
+            d = self._ack_deadline
+            if d is not None and d < t:
+                t = d
+            d = self._pace_deadline
+            if d is not None and d < t:
+                t = d
             return t
         if state in (LinkState.INIT_SENT, LinkState.INIT_RECEIVED):
             return self._hs_deadline
