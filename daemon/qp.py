@@ -14,7 +14,11 @@ into DDP segments that fit the link (``link.send_space()`` bounds how many
 are queued, so a 1 GiB Write holds no more memory than the link's window).
 A Write (RFC 5040 §5.1) is tagged segments with the peer's STag and the
 tagged offset; Write with Immediate adds RFC 7306's Immediate Data message,
-which consumes a receive WQE at the target.  A Read (§5.2) is one Read
+which consumes a receive WQE at the target.  A Send (§5.3) is untagged
+segments on queue 0 (MSN per message, MO per segment) that the target
+scatters into the next posted receive, in MSN order; with no receive posted
+the target answers with a Terminate (no RNR retry yet: that is the Modified
+ACK/NACK layer's job).  A Read (§5.2) is one Read
 Request on untagged queue 1 naming a *sink STag* private to this ORRQ entry
 (the sink is the requester's SGE list, so several SGEs work).
 
@@ -62,9 +66,12 @@ log = logging.getLogger("udpverbs.daemon")
 
 _TAGGED_PREFIX = segment.TAGGED_PREFIX_LEN
 _UNTAGGED_PREFIX = segment.UNTAGGED_PREFIX_LEN
+_UNTAGGED_EXTRA = _UNTAGGED_PREFIX - _TAGGED_PREFIX  # an untagged header is 4 bytes longer
 _U32 = 0xFFFFFFFF
 _RECEIVING = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD)
 # Plain ints on the per-segment path: IntFlag's & costs microseconds.
+_SUPPORTED_WR = (WrOpcode.IBV_WR_RDMA_WRITE, WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WrOpcode.IBV_WR_RDMA_READ,
+                 WrOpcode.IBV_WR_SEND)
 _REMOTE_WRITE = int(A.IBV_ACCESS_REMOTE_WRITE)
 _REMOTE_READ = int(A.IBV_ACCESS_REMOTE_READ)
 _LOCAL_WRITE = int(A.IBV_ACCESS_LOCAL_WRITE)
@@ -309,6 +316,9 @@ class QueuePair:
         self.term_msn = 1
         self.next_sink = 1
         self.rx_write_bytes = 0
+        self.rx_msn = 1  # next MSN expected on untagged queue 0 (Send, Immediate Data)
+        self.rx_recv: tuple[int, _Gather | None] | None = None  # receive WQE being filled
+        self.rx_placed = 0
         self.terminated = False
 
     # -- control path -------------------------------------------------------
@@ -390,6 +400,10 @@ class QueuePair:
             self._complete(wr)
         self.outstanding.clear()
         self.sending = None
+        if self.rx_recv is not None:  # a receive half filled by a Send
+            self.recv_cq.push(self.rx_recv[0], W.IBV_WC_WR_FLUSH_ERR, WcOpcode.IBV_WC_RECV, 0, self.qpn,
+                              self.dest_qpn)
+            self.rx_recv = None
         self.orrq.clear()
         self.irrq.clear()
         self.flush_rings()
@@ -460,7 +474,7 @@ class QueuePair:
         rkey, raddr, imm = int(w.rkey), int(w.remote_addr), int(w.imm_data)
         status = W.IBV_WC_SUCCESS
         gather = None
-        if opcode not in (WrOpcode.IBV_WR_RDMA_WRITE, WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WrOpcode.IBV_WR_RDMA_READ):
+        if opcode not in _SUPPORTED_WR:
             status = W.IBV_WC_LOC_QP_OP_ERR
         elif flags & SendFlags.IBV_SEND_INLINE and opcode != WrOpcode.IBV_WR_RDMA_READ:
             n = int(w.inline_len)
@@ -528,18 +542,28 @@ class QueuePair:
                 continue
             if not s.data_done:
                 total = s.gather.total
-                n = min(max_data, total - s.sent)
+                send = s.opcode == WrOpcode.IBV_WR_SEND
+                prefix = _UNTAGGED_PREFIX if send else _TAGGED_PREFIX
+                n = min(max_data if not send else max_data - _UNTAGGED_EXTRA, total - s.sent)
                 last = s.sent + n == total
-                buf = bytearray(_TAGGED_PREFIX + n)
-                segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, last,
-                                         s.wr.rkey, (s.wr.raddr + s.sent) & 0xFFFFFFFFFFFFFFFF)
+                buf = bytearray(prefix + n)
+                if send:
+                    # RFC 5040 §5.3: a Send is untagged on queue 0; MSN numbers the
+                    # message, MO is the offset of this segment in it (RFC 5041 §5.3).
+                    segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.SEND, last,
+                                               self.send_msn, s.sent)
+                else:
+                    segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, last,
+                                             s.wr.rkey, (s.wr.raddr + s.sent) & 0xFFFFFFFFFFFFFFFF)
                 if n:
-                    s.gather.copy_out(buf, _TAGGED_PREFIX, n)
+                    s.gather.copy_out(buf, prefix, n)
                 s.sent += n
                 num = link.send(buf)
                 sent += 1
                 if last:
                     s.data_done = True
+                    if send:
+                        self.send_msn = (self.send_msn + 1) & _U32
                     if s.opcode != WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM:
                         s.wr.last_n = num
                         self.sending = None
@@ -593,8 +617,10 @@ class QueuePair:
             self._on_read_response(hdr, payload, raw)
         elif op == Opcode.RDMA_READ_REQUEST:
             self._on_read_request(payload, raw)
+        elif op == Opcode.SEND or op == Opcode.SEND_SE:
+            self._on_send(hdr, payload, raw)
         elif op in (Opcode.IMMEDIATE_DATA, Opcode.IMMEDIATE_DATA_SE):
-            self._on_immediate(payload, raw)
+            self._on_immediate(hdr, payload, raw)
         elif op == Opcode.TERMINATE:
             self._on_terminate(payload)
         else:
@@ -641,13 +667,17 @@ class QueuePair:
             self.orrq.popleft()
             rd.wr.done = True
 
-    def _on_immediate(self, payload: memoryview, raw: memoryview) -> None:
-        try:
-            imm = rdmap.decode_immediate_data_untrusted(payload)
-        except Exception:
-            self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
-                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
-            return
+    def _take_receive(self, hdr: Any, raw: memoryview, seglen: int) -> bool:
+        """Start the next untagged message: check its MSN, take the next receive WQE.
+
+        Returns False (after a Terminate) when the MSN is out of order or no
+        receive is posted.
+        """
+        if hdr.msn != self.rx_msn or hdr.mo != 0:
+            # RFC 5041 §7.2: MSN out of range / bad MO for the untagged queue.
+            self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, seglen,
+                            layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+            return False
         try:
             have = self.rq.available()
         except shm.RingError:
@@ -655,14 +685,68 @@ class QueuePair:
         if not have:
             # No receive posted.  Modified ACK/NACK (RNR) is a later layer; for now
             # this is RFC 5041 §7.2's "no buffer" untagged error.
-            self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_NO_BUFFER, raw, len(payload),
+            self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_NO_BUFFER, raw, seglen,
+                            layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+            return False
+        w = self.rq.peek()
+        n = int(w.num_sge)
+        gather = self._resolve(w, n, _LOCAL_WRITE) if n <= self.caps["max_recv_sge"] else None
+        self.rx_recv = (int(w.wr_id), gather)
+        self.rq.pop()
+        return True
+
+    def _finish_receive(self, status: int, opcode: int, byte_len: int, imm: int = 0, flags: int = 0) -> None:
+        wr_id, _ = self.rx_recv  # type: ignore[misc]
+        self.rx_recv = None
+        self.rx_msn = (self.rx_msn + 1) & _U32
+        self.recv_cq.push(wr_id, status, opcode, byte_len if status == 0 else 0, self.qpn, self.dest_qpn,
+                          imm, flags)
+
+    def _on_send(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
+        n = len(payload)
+        if self.rx_recv is None:
+            if not self._take_receive(hdr, raw, n):
+                return
+        elif hdr.msn != self.rx_msn or hdr.mo != self.rx_placed:
+            self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MO, raw, n,
                             layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
             return
-        w = self.rq.peek()
-        wr_id = int(w.wr_id)
-        self.rq.pop()
-        self.recv_cq.push(wr_id, W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV_RDMA_WITH_IMM, self.rx_write_bytes,
-                          self.qpn, self.dest_qpn, imm & _U32, WcFlags.IBV_WC_WITH_IMM)
+        _, gather = self.rx_recv  # type: ignore[misc]
+        if hdr.mo == 0:
+            self.rx_placed = 0
+        if gather is None:
+            # The receive's own SGEs are bad: a local error at this end (verbs
+            # LOC_PROT_ERR on the receive), and the sender learns by Terminate.
+            self._finish_receive(W.IBV_WC_LOC_PROT_ERR, WcOpcode.IBV_WC_RECV, 0)
+            self._terminate(rdmap.RdmapErrorCode.CATASTROPHIC_LOCALIZED, raw, n,
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+            return
+        if self.rx_placed + n > gather.total:
+            self._finish_receive(W.IBV_WC_LOC_LEN_ERR, WcOpcode.IBV_WC_RECV, 0)
+            self._terminate(rdmap.DdpUntaggedErrorCode.MESSAGE_TOO_LONG, raw, n,
+                            layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+            return
+        if n:
+            gather.scatter(self.rx_placed, payload)
+        self.rx_placed += n
+        if hdr.last:
+            self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed)
+
+    def _on_immediate(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
+        try:
+            imm = rdmap.decode_immediate_data_untrusted(payload)
+        except Exception:
+            self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+            return
+        if self.rx_recv is not None or not self._take_receive(hdr, raw, len(payload)):
+            if self.state != S.IBV_QPS_ERR:
+                self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, len(payload),
+                                layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+            return
+        # RFC 7306 §4: Immediate Data consumes a receive; verbs reports the Write's length.
+        self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV_RDMA_WITH_IMM, self.rx_write_bytes,
+                             imm & _U32, WcFlags.IBV_WC_WITH_IMM)
         self.rx_write_bytes = 0
 
     def _terminate(self, ecode: int, raw: memoryview, seglen: int, *,
@@ -724,9 +808,10 @@ class QueuePair:
                 for wr in self.outstanding:
                     if wr.sink_stag < 0 and wr.rkey == stag and wr.raddr <= to <= wr.raddr + wr.byte_len:
                         return wr
-        elif len(h) == rdmap.ddp.UNTAGGED_HEADER_LEN and h[1] & 0x0F in (Opcode.IMMEDIATE_DATA, Opcode.IMMEDIATE_DATA_SE):
+        elif len(h) == rdmap.ddp.UNTAGGED_HEADER_LEN:
+            # A Send or Immediate Data: the oldest unfinished WR that is not a Read.
             for wr in self.outstanding:
-                if wr.wc_opcode == WcOpcode.IBV_WC_RDMA_WRITE and wr.sink_stag < 0 and not wr.done:
+                if wr.sink_stag < 0 and not wr.done:
                     return wr
         for wr in self.outstanding:
             if not wr.done:
@@ -747,6 +832,8 @@ def _terminate_status(t: rdmap.Terminate) -> int:
             return W.IBV_WC_REM_ACCESS_ERR
         if t.etype == rdmap.DdpErrorType.UNTAGGED_BUFFER and t.ecode == rdmap.DdpUntaggedErrorCode.INVALID_MSN_NO_BUFFER:
             return W.IBV_WC_RNR_RETRY_EXC_ERR
+        if t.etype == rdmap.DdpErrorType.UNTAGGED_BUFFER and t.ecode == rdmap.DdpUntaggedErrorCode.MESSAGE_TOO_LONG:
+            return W.IBV_WC_REM_INV_REQ_ERR  # verbs: the receive buffer was too small
         return W.IBV_WC_REM_OP_ERR
     return W.IBV_WC_REM_ABORT_ERR
 
