@@ -28,7 +28,9 @@ neither waits for a peer that has given up; every wait has a timeout.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
@@ -54,6 +56,8 @@ ALL_SIZES = [1 << k for k in range(1, 24)]
 LAT_VOLUME_BYTES = 32 << 20
 BW_VOLUME_BYTES = 128 << 20
 MIN_DEFAULT_ITERS = 5
+#: Bandwidth tests signal one WR in this many (perftest's cq_mod).
+CQ_MOD = 16
 
 
 class PerfUsageError(Exception):
@@ -198,6 +202,13 @@ class PerfParams:
         """Return the number of messages kept in flight per QP."""
         return self.tx_depth if self.tx_depth is not None else self.spec.default_tx_depth
 
+    def cq_mod(self) -> int:
+        """Return how many WRs share one signaled completion (perftest's cq_mod).
+
+        Latency tests signal every WR; bandwidth tests one in CQ_MOD, at most the depth.
+        """
+        return 1 if self.spec.is_latency else max(1, min(CQ_MOD, self.depth()))
+
     def to_wire(self) -> dict[str, Any]:
         """Return the parameters as a JSON-able object."""
         return dataclasses.asdict(self)
@@ -218,11 +229,22 @@ class PerfParams:
             params = cls(**obj)
         except TypeError as e:
             raise PerfUsageError(f"bad parameters: {e}") from e
-        for f in ("size", "iters", "tx_depth", "qps", "mtu", "max_size", "max_volume"):
+        for f, kinds in _WIRE_TYPES.items():
             v = getattr(params, f)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                raise PerfUsageError(f"parameter {f} must be an integer")
+            if v is None and f in _OPTIONAL:
+                continue
+            # bool is an int in Python: only the flags may be booleans
+            if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+                raise PerfUsageError(f"parameter {f} has the wrong type")
         return params.validate()
+
+
+_WIRE_TYPES: dict[str, tuple[type, ...]] = {
+    "test": (str,), "size": (int,), "all_sizes": (bool,), "iters": (int,), "duration_s": (int, float),
+    "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
+    "use_events": (bool,), "max_size": (int,), "max_volume": (int,),
+}  # fmt: skip
+_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume"}
 
 
 def warmup_iters(iters: int) -> int:
@@ -257,7 +279,7 @@ class Session:
         self.device = device
         self.progress = progress
         self.rows: list[Row] = []
-        self._udp = None
+        self._udp: socket.socket | None = None
         self._ours: Any = None
 
     # -- output -------------------------------------------------------------
@@ -268,8 +290,6 @@ class Session:
     def _emit(self, row: Row) -> None:
         self.rows.append(row)
         if self.json_out:
-            import json
-
             self._print(json.dumps(row_json(row)))
         else:
             for line in format_row(row):
@@ -286,7 +306,7 @@ class Session:
             ("Mtu", f"{p.mtu}[B]"),
             ("Link type", "UDP/IPv4"),
             ("Data ex. method", "Ethernet (TCP control connection)"),
-            ("CQ Moderation", f"{min(16, p.depth())}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
+            ("CQ Moderation", f"{p.cq_mod()}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
         ]
         if p.baseline:
             settings.append(("Baseline", f"{p.baseline}{' only' if p.baseline_only else ''}"))

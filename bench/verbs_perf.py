@@ -44,8 +44,6 @@ from .stats import BandwidthStats, LatencyStats, bandwidth_stats, latency_stats
 REQUIRED = ("Context", "PD", "MR", "CQ", "QP", "QPInitAttr", "QPCap", "QPAttr", "SendWR", "SGE", "AHAttr", "GlobalRoute")
 #: A run that makes no progress for this long has failed.
 STALL_S = 30.0
-#: Signal one WR in this many (perftest's cq_mod), at most the depth.
-CQ_MOD = 16
 #: How often (in spins) a waiting side looks at the clock and the control connection.
 CHECK_EVERY = 256
 #: Under -e, the longest single sleep on the CQ before the stall check runs.
@@ -391,7 +389,7 @@ class VerbsSide:
         is_read = self.params.spec.verb == "read"
         opcode = E.IBV_WR_RDMA_READ if is_read else E.IBV_WR_RDMA_WRITE
         depth = self.depth
-        cq_mod = max(1, min(CQ_MOD, depth))
+        cq_mod = self.params.cq_mod()
         nq = len(self.qps)
         wrs = []
         for qp in self.qps:

@@ -76,7 +76,10 @@ def test_parse_peer_errors(text: str) -> None:
 def test_params_from_the_wire_are_checked() -> None:
     good = _params("write_bw", "-s", "4096").to_wire()
     assert PerfParams.from_wire(good) == _params("write_bw", "-s", "4096")
-    for bad in ({**good, "size": "4096"}, {**good, "evil": 1}, {**good, "size": -1}, [1], {"size": 2}):
+    bads = [{**good, "size": "4096"}, {**good, "evil": 1}, {**good, "size": -1}, [1], {"size": 2},
+            {**good, "duration_s": "1", "iters": None}, {**good, "all_sizes": 1}, {**good, "qps": True},
+            {**good, "baseline": 7}, {**good, "test": None}]  # fmt: skip
+    for bad in bads:
         with pytest.raises(PerfUsageError):
             PerfParams.from_wire(bad)
 
