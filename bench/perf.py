@@ -44,7 +44,7 @@ from .stats import bandwidth_stats, latency_stats
 PROTOCOL_VERSION = 1
 #: The longest a side waits for its peer at a barrier outside a run.
 STEP_TIMEOUT_S = 60.0
-#: The longest a side waits for its peer to finish one size's run.
+#: The longest a side waits for its peer to finish one size's run (beyond ``-D``).
 RUN_TIMEOUT_S = 900.0
 
 MAX_SIZE = 1 << 30

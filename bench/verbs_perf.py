@@ -236,7 +236,7 @@ class VerbsSide:
             elif not self.is_client:
                 # read_lat and the bandwidth tests are one-sided: the server's
                 # daemon answers, its application only waits.
-                self.ctrl.expect("done", RUN_TIMEOUT_S)
+                self.ctrl.expect("done", RUN_TIMEOUT_S + (duration_s or 0.0))
                 return None
             elif spec.name == "read_lat":
                 result = self._read_lat(size, iters, duration_s, warmup_iters(iters))
