@@ -53,7 +53,12 @@ def test_send_and_atomic_tests_say_they_are_not_available_yet(capsys: pytest.Cap
 
 
 def test_demo_prints_both_sweeps_and_writes_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
+    try:
+        import matplotlib  # noqa: F401
+
+        have_matplotlib = True
+    except ImportError:
+        have_matplotlib = False
     png = tmp_path / "demo.png"
     rc = cli.main(["demo", "--max-size", "4", "-n", "10", "--plot", str(png), "--json"])
     out, err = capsys.readouterr()
@@ -61,4 +66,7 @@ def test_demo_prints_both_sweeps_and_writes_the_plot(tmp_path: Path, capsys: pyt
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["test"], r["bytes"]) for r in rows] == [("write_lat", 2), ("write_lat", 4), ("write_bw", 2), ("write_bw", 4)]
     assert all("baseline" in r for r in rows)
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    if have_matplotlib:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    else:  # the demo still succeeds, and says how to get the plot
+        assert not png.exists() and "udpverbs[plot]" in err
