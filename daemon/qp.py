@@ -118,8 +118,12 @@ class CompletionQueue:
         self.users = 0  # QPs that complete into this CQ
 
     def push(self, wr_id: int, status: int, opcode: int, byte_len: int, qp_num: int,
-             src_qp: int = 0, imm_data: int = 0, wc_flags: int = 0, vendor_err: int = 0) -> bool:
+             src_qp: int = 0, imm_data: int = 0, wc_flags: int = 0, vendor_err: int = 0,
+             solicited: bool = False) -> bool:
         """Write one CQE and wake a waiter if the CQ is armed.
+
+        A CQ armed with ``solicited_only`` wakes only for a solicited receive
+        (Send with SE, RFC 5040 §5.3) or an error completion (verbs semantics).
 
         Returns False (and raises IBV_EVENT_CQ_ERR once) if the ring is full.
         """
@@ -147,7 +151,7 @@ class CompletionQueue:
         r.push()
         r.publish()
         hdr = r.hdr
-        if hdr.armed:
+        if hdr.armed and (solicited or status or not hdr.solicited_only):
             # Armed by req_notify: one event, then disarmed (verbs semantics).
             hdr.armed = 0
             if self.channel is not None:
@@ -239,7 +243,7 @@ class _Gather:
 class _Sending:
     """The WR the requester is segmenting now."""
 
-    __slots__ = ("wr", "gather", "sent", "opcode", "imm", "data_done")
+    __slots__ = ("wr", "gather", "sent", "opcode", "imm", "data_done", "solicited")
 
     def __init__(self, wr: OutWR, gather: _Gather, opcode: int, imm: int) -> None:
         self.wr = wr
@@ -248,6 +252,7 @@ class _Sending:
         self.opcode = opcode
         self.imm = imm
         self.data_done = False
+        self.solicited = False
 
 
 class _PendingRead:
@@ -504,6 +509,7 @@ class QueuePair:
             self._send_read_request(wr, gather, rkey, raddr)
         else:
             self.sending = _Sending(wr, gather, opcode, imm)
+            self.sending.solicited = bool(flags & SendFlags.IBV_SEND_SOLICITED)
         return True
 
     def _send_read_request(self, wr: OutWR, gather: _Gather, rkey: int, raddr: int) -> None:
@@ -550,7 +556,8 @@ class QueuePair:
                 if send:
                     # RFC 5040 §5.3: a Send is untagged on queue 0; MSN numbers the
                     # message, MO is the offset of this segment in it (RFC 5041 §5.3).
-                    segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.SEND, last,
+                    segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn,
+                                               Opcode.SEND_SE if s.solicited else Opcode.SEND, last,
                                                self.send_msn, s.sent)
                 else:
                     segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, last,
@@ -571,7 +578,8 @@ class QueuePair:
             # RFC 7306 §4: Immediate Data follows the Write on the send queue (QN 0).
             body = rdmap.encode_immediate_data(s.imm)
             buf = bytearray(_UNTAGGED_PREFIX + len(body))
-            segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.IMMEDIATE_DATA, True,
+            segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn,
+                                       Opcode.IMMEDIATE_DATA_SE if s.solicited else Opcode.IMMEDIATE_DATA, True,
                                        self.send_msn, 0)
             self.send_msn = (self.send_msn + 1) & _U32
             buf[_UNTAGGED_PREFIX:] = body
@@ -695,12 +703,13 @@ class QueuePair:
         self.rq.pop()
         return True
 
-    def _finish_receive(self, status: int, opcode: int, byte_len: int, imm: int = 0, flags: int = 0) -> None:
+    def _finish_receive(self, status: int, opcode: int, byte_len: int, imm: int = 0, flags: int = 0,
+                        solicited: bool = False) -> None:
         wr_id, _ = self.rx_recv  # type: ignore[misc]
         self.rx_recv = None
         self.rx_msn = (self.rx_msn + 1) & _U32
         self.recv_cq.push(wr_id, status, opcode, byte_len if status == 0 else 0, self.qpn, self.dest_qpn,
-                          imm, flags)
+                          imm, flags, solicited=solicited)
 
     def _on_send(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
         n = len(payload)
@@ -730,7 +739,8 @@ class QueuePair:
             gather.scatter(self.rx_placed, payload)
         self.rx_placed += n
         if hdr.last:
-            self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed)
+            self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed,
+                                 solicited=hdr.opcode == Opcode.SEND_SE)
 
     def _on_immediate(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
         try:
@@ -746,7 +756,7 @@ class QueuePair:
             return
         # RFC 7306 §4: Immediate Data consumes a receive; verbs reports the Write's length.
         self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV_RDMA_WITH_IMM, self.rx_write_bytes,
-                             imm & _U32, WcFlags.IBV_WC_WITH_IMM)
+                             imm & _U32, WcFlags.IBV_WC_WITH_IMM, solicited=hdr.opcode == Opcode.IMMEDIATE_DATA_SE)
         self.rx_write_bytes = 0
 
     def _terminate(self, ecode: int, raw: memoryview, seglen: int, *,

@@ -8,6 +8,7 @@ from udpverbs import verbs
 from udpverbs.verbs.enums import (
     IBV_QPS_ERR,
     IBV_SEND_SIGNALED,
+    IBV_SEND_SOLICITED,
     IBV_WC_LOC_LEN_ERR,
     IBV_WC_RECV,
     IBV_WC_REM_INV_REQ_ERR,
@@ -82,3 +83,28 @@ def test_send_longer_than_the_receive(daemons) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_solicited_only_notification(pair) -> None:
+    a, b = pair
+    ch = verbs.CompChannel(b.ctx)
+    cq = verbs.CQ(b.ctx, 16, channel=ch)
+    qb = verbs.QP(b.pd, verbs.QPInitAttr(scq=cq, rcq=cq, cap=verbs.QPCap(4, 4)))
+    qa = a.new_qp()
+    connect_manual(a, qa, b, qb)
+    for i in range(2):
+        qb.post_recv(verbs.RecvWR(wr_id=i, sg=[verbs.SGE(b.mr.buf, 64, b.mr.lkey)]))
+    cq.req_notify(solicited_only=True)
+    _send(qa, a.mr, 0, 8, 1)  # not solicited: no event
+    (wc,) = a.cq.poll_blocking(1, timeout=10)
+    assert wc.status == IBV_WC_SUCCESS
+    try:
+        ch.get_cq_event(timeout=0.3)
+        raise AssertionError("an unsolicited Send woke a solicited-only CQ")
+    except TimeoutError:
+        pass
+    qa.post_send(verbs.SendWR(wr_id=2, opcode=IBV_WR_SEND, sg=[verbs.SGE(a.mr.buf, 8, a.mr.lkey)],
+                              send_flags=IBV_SEND_SIGNALED | IBV_SEND_SOLICITED))
+    assert ch.get_cq_event(timeout=10) is cq
+    n, wcs = cq.poll(4)
+    assert n == 2 and [w.wr_id for w in wcs] == [0, 1]
