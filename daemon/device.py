@@ -47,7 +47,7 @@ import trio.testing
 
 from ..transport.congestion.base import create as create_cc
 from ..transport.link import Link, LinkConfig, LinkFailed, LinkUp
-from ..wire import ctl, envelope, segment
+from ..wire import ctl, envelope, segment, shm
 from ..wire import link as wire_link
 from ..wire.envelope import Kind
 from ..wire.errors import WireError
@@ -444,6 +444,7 @@ class Device:
         for sess in self.sessions:
             sess.set_need_wakeup(1)
         self._sleeping = True
+        shm.full_fence()  # need_wakeup must be visible before we look at the rings once more
         try:
             if self.poll_once():
                 return

@@ -150,6 +150,7 @@ class CompletionQueue:
         e.wc_flags = wc_flags
         r.push()
         r.publish()
+        shm.full_fence()  # the CQE must be visible before we read ``armed`` (the app does the mirror)
         hdr = r.hdr
         if hdr.armed and (solicited or status or not hdr.solicited_only):
             # Armed by req_notify: one event, then disarmed (verbs semantics).

@@ -210,6 +210,7 @@ class CQ(Resource):
         while True:
             if self.channel is None:
                 self.req_notify()
+                shm.full_fence()  # armed must be visible before we look at the ring
             n = ring.available()
             if n:
                 return n
@@ -237,6 +238,7 @@ class CQ(Resource):
             while True:
                 if self.channel is None:
                     self.req_notify()
+                    shm.full_fence()
                 n = ring.available()
                 if n:
                     return n

@@ -358,6 +358,7 @@ class Context(Resource):
     # -- used by QPs after posting ---------------------------------------------------
     def ring_doorbell(self) -> None:
         """Wake the daemon if it sleeps (it set need_wakeup)."""
+        shm.full_fence()  # the producer index store must be visible before we read the flag
         if self._page.need_wakeup:
             os.eventfd_write(self.doorbell_fd, 1)
 

@@ -27,7 +27,10 @@ and lengths are checked where they are read (``Ring.available``).
 Doorbells follow io_uring's SQ_NEED_WAKEUP / AF_XDP's need_wakeup: the
 daemon sets ``need_wakeup`` in the context page only when it is about to
 sleep, and the application writes the doorbell eventfd only when it finds
-the flag set, so a busy daemon costs no syscall per post.  Completions are
+the flag set, so a busy daemon costs no syscall per post.  Each side stores
+(its index, or the flag) and then loads the other's: x86 may reorder a store
+after a later load, so both put ``full_fence()`` in between, or each could
+miss the other and the post would wait for the daemon's periodic rescan.  Completions are
 the mirror image: ``req_notify`` sets ``armed`` in the CQ header, and the
 daemon writes the CQ's (or its channel's) eventfd only for an armed CQ.
 
@@ -45,6 +48,7 @@ import enum
 import fcntl
 import mmap
 import os
+import threading
 from typing import Any
 
 import cffi
@@ -320,6 +324,20 @@ class CtxLayout:
     page_offset = 0
     async_offset = (CTX_PAGE_SIZE + CACHE_LINE - 1) // CACHE_LINE * CACHE_LINE
     size = page_round(async_offset + ring_bytes(ASYNC_RING_ENTRIES, ASYNC_EVENT_SIZE))
+
+
+_FENCE = threading.Lock()
+
+
+def full_fence() -> None:
+    """A full memory barrier between the caller's stores and its later loads.
+
+    An uncontended lock acquire is an atomic read-modify-write (``lock
+    cmpxchg`` on x86), which orders every earlier store before every later
+    load; about 0.1 µs, far cheaper than the syscall it saves.
+    """
+    _FENCE.acquire()
+    _FENCE.release()
 
 
 class RingError(Exception):
