@@ -283,10 +283,13 @@ TERMINATE = c.Struct(  # RFC 5040 §4.8
     c.Check(lambda ctx: ctx.control.layer in _TERM_ETYPES and ctx.control.etype in _TERM_ETYPES[ctx.control.layer]),
     "ddp_segment_length" / c.If(c.this.control.D, c.Int16ub),
     # The copied DDP header's own T bit says whether it is 14 or 18 bytes.
+    # Peek yields None at the end of the body: then the (untagged-sized)
+    # Bytes below runs out of stream, the error the fast decoder reports too.
     "ddp_first_byte" / c.If(c.this.control.D, c.Peek(c.Int8ub)),
     "ddp_header" / c.If(
         c.this.control.D,
-        c.Bytes(lambda ctx: ddp.TAGGED_HEADER_LEN if ctx.ddp_first_byte & ddp.T_FLAG else ddp.UNTAGGED_HEADER_LEN),
+        c.Bytes(lambda ctx: ddp.TAGGED_HEADER_LEN if (ctx.ddp_first_byte or 0) & ddp.T_FLAG
+                else ddp.UNTAGGED_HEADER_LEN),
     ),
     "rdmap_header" / c.If(c.this.control.R, c.Bytes(READ_REQUEST_LEN)),
     c.Terminated,
