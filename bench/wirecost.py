@@ -59,7 +59,7 @@ def _link_fields(h: LinkHeader) -> dict[str, Any]:
 def construct_codec(link_c: c.Construct, env_c: c.Construct, seg_c: c.Construct) -> tuple[Callable[[bytes], bytes], Callable[[bytes], Any]]:
     """Build and parse+check functions over the given (maybe compiled) declarations."""
     link_fields = _link_fields(HEADER)
-    env_fields = dict(kind=Kind.DDP, dst_qpn=DST_QPN, src_qpn=SRC_QPN)
+    env_fields = dict(kind=Kind.DDP, dst_qpn=DST_QPN, flags=0, src_qpn=SRC_QPN)
 
     def build(payload: bytes) -> bytes:
         seg = seg_c.build(

@@ -12,13 +12,21 @@ message must say which QP it is for.  The envelope does that::
     +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
     |     kind      |              destination QPN                  |
     +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
-    |  reserved (0) |                source QPN                     |
+    |     flags     |                source QPN                     |
     +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
 
 ``kind`` says which decoder reads the rest (DDP/RDMAP segment, connection
 management, QP flow control, lock, barrier).  The source QPN lets the
 receiver drop a message that does not come from the QP's connected peer
 (stale after QPN reuse, or misrouted).  QPN 0 is the connection manager.
+
+``flags`` carries what the RFC bytes behind it cannot say about a message
+on a multiplexed link.  One bit is defined, on DDP messages only:
+``IMM_FOLLOWS`` on a Send (the last segment of it) says that the Immediate
+Data message after it belongs to the same receive: our Send with Immediate
+(verbs' IBV_WR_SEND_WITH_IMM) is a Send followed by RFC 7306 Immediate Data,
+and RFC 7306 alone would have the Immediate Data consume a receive of its own.
+Every other bit, and any bit on another kind, is refused as ``bad_reserved``.
 
 ``ENVELOPE`` (construct) is the reference declaration; ``encode``,
 ``pack_into`` and ``decode_untrusted`` are the per-message fast path.
@@ -50,12 +58,21 @@ class Kind(enum.IntEnum):
 
 _KIND_MAX = max(Kind)
 
+
+class Flags(enum.IntFlag):
+    IMM_FOLLOWS = 0x01  #: the next Immediate Data completes this Send's receive
+
+
+_FLAGS_KNOWN = int(Flags.IMM_FOLLOWS)
+
 # --- reference declaration ---------------------------------------------------
 
 ENVELOPE = c.Struct(
     "kind" / c.Int8ub,
     "dst_qpn" / c.Int24ub,
-    "reserved" / c.Const(0, c.Int8ub),
+    "flags" / c.Int8ub,
+    # this-expressions, not a lambda, so the declaration still compiles (wirecost).
+    c.Check(((c.this.flags & (0xFF ^ _FLAGS_KNOWN)) == 0) & ((c.this.flags == 0) | (c.this.kind == int(Kind.DDP)))),
     "src_qpn" / c.Int24ub,
 )
 
@@ -70,28 +87,32 @@ class Envelope(NamedTuple):
     kind: int
     dst_qpn: int
     src_qpn: int
+    flags: int = 0
 
 
-def pack_into(buf: bytearray | memoryview, offset: int, kind: int, dst_qpn: int, src_qpn: int) -> int:
+def pack_into(buf: bytearray | memoryview, offset: int, kind: int, dst_qpn: int, src_qpn: int,
+              flags: int = 0) -> int:
     """Write an envelope into ``buf`` at ``offset``; return ``ENVELOPE_LEN``.
 
     Raises:
-        ValueError: an unknown kind or a QPN out of range (a caller bug).
+        ValueError: an unknown kind or flag, or a QPN out of range (a caller bug).
     """
-    if not 1 <= kind <= _KIND_MAX or not 0 <= dst_qpn <= MAX_QPN or not 0 <= src_qpn <= MAX_QPN:
-        raise ValueError(f"envelope out of range: kind={kind} dst={dst_qpn} src={src_qpn}")
-    _ENV.pack_into(buf, offset, (kind << 24) | dst_qpn, src_qpn)
+    if not 1 <= kind <= _KIND_MAX or not 0 <= dst_qpn <= MAX_QPN or not 0 <= src_qpn <= MAX_QPN \
+            or flags & ~_FLAGS_KNOWN or (flags and kind != Kind.DDP):
+        raise ValueError(f"envelope out of range: kind={kind} dst={dst_qpn} src={src_qpn} flags={flags}")
+    _ENV.pack_into(buf, offset, (kind << 24) | dst_qpn, (flags << 24) | src_qpn)
     return ENVELOPE_LEN
 
 
-def encode(kind: int, dst_qpn: int, src_qpn: int, body: bytes | bytearray | memoryview = b"") -> bytes:
+def encode(kind: int, dst_qpn: int, src_qpn: int, body: bytes | bytearray | memoryview = b"",
+           flags: int = 0) -> bytes:
     """Return envelope + ``body`` as one bytes object.
 
     Raises:
         ValueError: a field is out of range.
     """
     buf = bytearray(ENVELOPE_LEN + len(body))
-    pack_into(buf, 0, kind, dst_qpn, src_qpn)
+    pack_into(buf, 0, kind, dst_qpn, src_qpn, flags)
     buf[ENVELOPE_LEN:] = body
     return bytes(buf)
 
@@ -102,7 +123,8 @@ def decode_untrusted(data: bytes | bytearray | memoryview) -> tuple[Envelope, me
     Returns the envelope and a view of the message after it.
 
     Raises:
-        WireError: ``truncated``, ``bad_kind`` or ``bad_reserved``; nothing else.
+        WireError: ``truncated``, ``bad_kind`` or ``bad_reserved`` (an unknown
+            flag, or a flag on a kind other than DDP); nothing else.
     """
     if len(data) < ENVELOPE_LEN:
         raise WireError("truncated", f"{len(data)} bytes, envelope needs {ENVELOPE_LEN}")
@@ -110,7 +132,8 @@ def decode_untrusted(data: bytes | bytearray | memoryview) -> tuple[Envelope, me
     kind = w0 >> 24
     if not 1 <= kind <= _KIND_MAX:
         raise WireError("bad_kind", str(kind))
-    if w1 >> 24:
-        raise WireError("bad_reserved", "envelope")
+    flags = w1 >> 24
+    if flags and (flags & ~_FLAGS_KNOWN or kind != Kind.DDP):
+        raise WireError("bad_reserved", "envelope flags")
     # tuple.__new__ skips the NamedTuple's Python-level __new__ (per datagram).
-    return tuple.__new__(Envelope, (kind, w0 & MAX_QPN, w1 & MAX_QPN)), memoryview(data)[ENVELOPE_LEN:]
+    return tuple.__new__(Envelope, (kind, w0 & MAX_QPN, w1 & MAX_QPN, flags)), memoryview(data)[ENVELOPE_LEN:]

@@ -34,6 +34,7 @@ _DDP = int(Kind.DDP)
 _DDP_WORD = _DDP << 24
 _TN = tuple.__new__  # see rdmap._TN
 _CLASSIFY = rdmap._CLASSIFY
+_FLAGS_KNOWN = envelope._FLAGS_KNOWN
 _REASONS = rdmap._REASONS
 
 
@@ -54,14 +55,15 @@ def decode_untrusted(
     if len(body) >= TAGGED_PREFIX_LEN and body[0] == _DDP and body[ENVELOPE_LEN] & 0x80:
         # Common case (RDMA Write / Read Response data): one unpack, one lookup.
         w0, w1, ctrl, rctl, stag, to = _ENV_TAGGED.unpack_from(body)
-        if w1 >> 24:
-            raise WireError("bad_reserved", "envelope")
+        flags = w1 >> 24
+        if flags & ~_FLAGS_KNOWN:
+            raise WireError("bad_reserved", "envelope flags")
         op = _CLASSIFY[(ctrl << 8) | rctl]
         if op < 0:
             raise WireError(_REASONS[-op])
         view = body if type(body) is memoryview else memoryview(body)
         return (
-            _TN(Envelope, (_DDP, w0 & MAX_QPN, w1 & MAX_QPN)),
+            _TN(Envelope, (_DDP, w0 & MAX_QPN, w1 & MAX_QPN, flags)),
             _TN(rdmap.TaggedHeader, (op, ctrl & 0x40 != 0, stag, to)),
             view[TAGGED_PREFIX_LEN:],
         )
@@ -104,22 +106,28 @@ def pack_untagged_into(
     msn: int,
     mo: int,
     inv_stag: int = 0,
+    flags: int = 0,
 ) -> int:
     """Write envelope + untagged segment header at ``offset``; return 26.
 
+    ``flags``: envelope flags (``envelope.Flags``).
+
     Raises:
-        ValueError: as ``rdmap.pack_untagged_into``, or a QPN out of range.
+        ValueError: as ``rdmap.pack_untagged_into``, a QPN or flag out of range.
     """
     _check_qpns(dst_qpn, src_qpn)
+    if flags & ~_FLAGS_KNOWN:
+        raise ValueError(f"unknown envelope flags {flags:#x}")
     ctrl, rctl, qn = rdmap.untagged_control(opcode, last, inv_stag)
     try:
-        _ENV_UNTAGGED.pack_into(buf, offset, _DDP_WORD | dst_qpn, src_qpn, ctrl, rctl, inv_stag, qn, msn, mo)
+        _ENV_UNTAGGED.pack_into(buf, offset, _DDP_WORD | dst_qpn, (flags << 24) | src_qpn, ctrl, rctl, inv_stag, qn,
+                                msn, mo)
     except struct.error as e:
         raise ValueError(str(e)) from None
     return UNTAGGED_PREFIX_LEN
 
 
-def encode(dst_qpn: int, src_qpn: int, segment: bytes | bytearray | memoryview) -> bytes:
+def encode(dst_qpn: int, src_qpn: int, segment: bytes | bytearray | memoryview, flags: int = 0) -> bytes:
     """Return a link body: a DDP envelope around a segment from ``rdmap.encode_*``.
 
     Not for the hot path (it copies); the send loop uses ``pack_*_into``.
@@ -127,4 +135,4 @@ def encode(dst_qpn: int, src_qpn: int, segment: bytes | bytearray | memoryview) 
     Raises:
         ValueError: a QPN is out of range.
     """
-    return envelope.encode(Kind.DDP, dst_qpn, src_qpn, segment)
+    return envelope.encode(Kind.DDP, dst_qpn, src_qpn, segment, flags)

@@ -14,7 +14,7 @@ from udpverbs.wire.rdmap import Opcode, TaggedHeader, UntaggedHeader
 
 from .strategies import SETTINGS, assert_flips_detected, encode_segment, mutated, outcome, segments, u24
 
-# kind DDP(1) | dst 0x000102 | reserved 0 | src 0xABCDEF
+# kind DDP(1) | dst 0x000102 | flags 0 | src 0xABCDEF
 ENVELOPE_HEX = "01000102" "00abcdef"
 
 
@@ -23,14 +23,31 @@ def test_envelope_known_answer() -> None:
     assert wire == bytes.fromhex(ENVELOPE_HEX) + b"z"
     env, rest = envelope.decode_untrusted(wire)
     assert env == Envelope(Kind.DDP, 0x102, 0xABCDEF) and bytes(rest) == b"z"
-    assert envelope.ENVELOPE.parse(wire[:8]) == dict(kind=1, dst_qpn=0x102, reserved=0, src_qpn=0xABCDEF)
+    assert envelope.ENVELOPE.parse(wire[:8]) == dict(kind=1, dst_qpn=0x102, flags=0, src_qpn=0xABCDEF)
+
+
+def test_imm_follows_flag_known_answer() -> None:
+    wire = envelope.encode(Kind.DDP, 0x000102, 0xABCDEF, b"", envelope.Flags.IMM_FOLLOWS)
+    assert wire == bytes.fromhex("01000102" "01abcdef")
+    assert envelope.decode_untrusted(wire)[0] == Envelope(Kind.DDP, 0x102, 0xABCDEF, 1)
+    with pytest.raises(ValueError):
+        envelope.encode(Kind.CM, 0, 0, b"", envelope.Flags.IMM_FOLLOWS)
 
 
 def test_cm_envelope_uses_qpn_zero() -> None:
     assert envelope.encode(Kind.CM, envelope.CM_QPN, 0) == bytes.fromhex("02000000" "00000000")
 
 
-envelopes = st.builds(Envelope, st.sampled_from(sorted(Kind)), u24, u24)
+_kinds = st.sampled_from(sorted(Kind))
+# Flags exist on DDP messages only (IMM_FOLLOWS).
+envelopes = st.one_of(
+    st.builds(Envelope, _kinds, u24, u24, st.just(0)),
+    st.builds(Envelope, st.just(Kind.DDP), u24, u24, st.just(int(envelope.Flags.IMM_FOLLOWS))),
+)
+
+
+def _wire(e: Envelope, body: bytes = b"") -> bytes:
+    return envelope.encode(e.kind, e.dst_qpn, e.src_qpn, body, e.flags)
 
 
 def _ref_envelope(data: bytes) -> tuple[Envelope, bytes]:
@@ -40,7 +57,7 @@ def _ref_envelope(data: bytes) -> tuple[Envelope, bytes]:
         raise WireError("reference", str(e)) from None
     if not 1 <= p.kind <= max(Kind):
         raise WireError("reference")
-    return Envelope(p.kind, p.dst_qpn, p.src_qpn), data[8:]
+    return Envelope(p.kind, p.dst_qpn, p.src_qpn, p.flags), data[8:]
 
 
 def _fast_envelope(data: bytes) -> tuple[Envelope, bytes]:
@@ -51,13 +68,14 @@ def _fast_envelope(data: bytes) -> tuple[Envelope, bytes]:
 @SETTINGS
 @given(envelopes, st.binary(max_size=16))
 def test_envelope_round_trip(env: Envelope, body: bytes) -> None:
-    wire = envelope.encode(env.kind, env.dst_qpn, env.src_qpn, body)
+    wire = _wire(env, body)
     assert _fast_envelope(wire) == (env, body)
-    assert envelope.ENVELOPE.build(dict(kind=env.kind, dst_qpn=env.dst_qpn, src_qpn=env.src_qpn)) == wire[:8]
+    assert envelope.ENVELOPE.build(dict(kind=env.kind, dst_qpn=env.dst_qpn, src_qpn=env.src_qpn,
+                                        flags=env.flags)) == wire[:8]
 
 
 @SETTINGS
-@given(st.one_of(st.binary(max_size=12), mutated(envelopes.map(lambda e: envelope.encode(*e)))))
+@given(st.one_of(st.binary(max_size=12), mutated(envelopes.map(_wire))))
 def test_envelope_fast_agrees_with_construct(data: bytes) -> None:
     fast, ref = outcome(_fast_envelope, data), outcome(_ref_envelope, data)
     assert fast[0] == ref[0]
@@ -68,7 +86,9 @@ def test_envelope_fast_agrees_with_construct(data: bytes) -> None:
 @pytest.mark.parametrize(("data", "reason"), [
     (bytes.fromhex("00000102" "00abcdef"), "bad_kind"),
     (bytes.fromhex("06000102" "00abcdef"), "bad_kind"),
-    (bytes.fromhex("01000102" "01abcdef"), "bad_reserved"),
+    (bytes.fromhex("01000102" "02abcdef"), "bad_reserved"),  # no such flag
+    (bytes.fromhex("01000102" "80abcdef"), "bad_reserved"),
+    (bytes.fromhex("02000000" "01000000"), "bad_reserved"),  # IMM_FOLLOWS on a CM message
 ] + [(bytes.fromhex(ENVELOPE_HEX)[:n], "truncated") for n in range(8)])
 def test_envelope_malformed(data: bytes, reason: str) -> None:
     with pytest.raises(WireError) as e:
@@ -86,14 +106,14 @@ def test_envelope_refuses_caller_mistakes() -> None:
 @SETTINGS
 @given(envelopes)
 def test_every_single_bit_flip_in_the_envelope_is_caught(env: Envelope) -> None:
-    assert_flips_detected(envelope.encode(*env), _fast_envelope, lambda v: tuple(v[0]))
+    assert_flips_detected(_wire(env), _fast_envelope, lambda v: tuple(v[0]))
 
 
 # --- the fused receive path --------------------------------------------------
 
 
 def _body(env: Envelope, seg: tuple[TaggedHeader | UntaggedHeader, bytes]) -> bytes:
-    return segment.encode(env.dst_qpn, env.src_qpn, encode_segment(*seg))
+    return segment.encode(env.dst_qpn, env.src_qpn, encode_segment(*seg), env.flags)
 
 
 def _fast(data: bytes) -> tuple[Envelope, object, bytes]:
