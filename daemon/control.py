@@ -131,6 +131,11 @@ class Session:
         )
         return rep, [self.ctx_fd, self.doorbell, self.async_fd]
 
+    def op_query_stats(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        stats = self.device.dump_stats()
+        text = "".join(f"{k} {v}\n" for k, v in sorted(stats.items()))
+        return ctl.encode_reply(Op.QUERY_STATS, count=len(stats), data=text.encode()), []
+
     def op_alloc_pd(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
         pd = tables.ProtectionDomain(0, self)
         h = pd.handle = self.device.pds.add(pd)

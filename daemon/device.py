@@ -152,6 +152,7 @@ class Device:
         self._watched: set[int] = set()
         self.cm: Any = None  # set by the connection manager
         self._sleeping = False
+        self.rnr_waiting: set[QueuePair] = set()  # QPs backing off after an RNR NACK
         self.inflight_spin_s = max(config.spin_s, 0.002) if config.spin_s > 0 else 0.0
 
     # -- setup ----------------------------------------------------------------
@@ -368,7 +369,13 @@ class Device:
                 if qp is None or qp.link is not pl or qp.dest_qpn != env.src_qpn:
                     self.stats["rx_no_qp"] += 1
                     return
-                qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:])
+                qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
+            elif env.kind == Kind.FLOW:
+                qp = self.qps.get(env.dst_qpn)
+                if qp is None or qp.link is not pl or qp.dest_qpn != env.src_qpn:
+                    self.stats["rx_no_qp"] += 1
+                    return
+                qp.on_flow(payload)
             elif env.kind == Kind.CM and self.cm is not None:
                 self.cm.on_message(pl, payload)
             else:
@@ -412,6 +419,11 @@ class Device:
             d = pl.link.next_deadline()
             if d is not None and d < t:
                 t = d
+        for qp in list(self.rnr_waiting):
+            if qp.rnr_until is None or qp.state == S.IBV_QPS_ERR or self.qps.get(qp.qpn) is not qp:
+                self.rnr_waiting.discard(qp)
+            elif qp.rnr_until < t:
+                t = qp.rnr_until
         return t
 
     async def run_data_path(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -43,10 +43,13 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
-from ..wire import rdmap, segment, shm
-from ..wire.rdmap import Opcode
+from ..wire import envelope, flow, rdmap, segment, shm
+from ..wire.envelope import Kind
+from ..wire.flow import FlowMessage, FlowType
+from ..wire.rdmap import AtomicOp, Opcode
 from ..wire.shm import (
     AccessFlags as A,
     EventType,
@@ -70,8 +73,27 @@ _UNTAGGED_EXTRA = _UNTAGGED_PREFIX - _TAGGED_PREFIX  # an untagged header is 4 b
 _U32 = 0xFFFFFFFF
 _RECEIVING = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD)
 # Plain ints on the per-segment path: IntFlag's & costs microseconds.
+_SEND_WR = (WrOpcode.IBV_WR_SEND, WrOpcode.IBV_WR_SEND_WITH_IMM, WrOpcode.IBV_WR_SEND_WITH_INV)
+_ATOMIC_WR = {WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD: AtomicOp.FETCH_ADD,
+              WrOpcode.IBV_WR_ATOMIC_CMP_AND_SWP: AtomicOp.CMP_SWAP}
 _SUPPORTED_WR = (WrOpcode.IBV_WR_RDMA_WRITE, WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WrOpcode.IBV_WR_RDMA_READ,
-                 WrOpcode.IBV_WR_SEND)
+                 *_SEND_WR, *_ATOMIC_WR)
+#: (invalidate, solicited) -> RDMAP opcode of a Send (RFC 5040 §5.3)
+_SEND_OPCODE = {(False, False): Opcode.SEND, (False, True): Opcode.SEND_SE,
+                (True, False): Opcode.SEND_INVALIDATE, (True, True): Opcode.SEND_SE_INVALIDATE}
+_Q0_OPCODES = frozenset({Opcode.SEND, Opcode.SEND_SE, Opcode.SEND_INVALIDATE, Opcode.SEND_SE_INVALIDATE,
+                         Opcode.IMMEDIATE_DATA, Opcode.IMMEDIATE_DATA_SE})
+_IMM_FOLLOWS = int(envelope.Flags.IMM_FOLLOWS)
+_REMOTE_ATOMIC = int(A.IBV_ACCESS_REMOTE_ATOMIC)
+_U64 = 0xFFFFFFFFFFFFFFFF
+_HOST_ORDER = sys.byteorder  # atomics operate on host-order words, as verbs applications expect
+#: IB's RNR timer encoding (IBA table 45): min_rnr_timer code -> microseconds.
+RNR_TIMER_US = (655360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840, 5120,
+                7680, 10240, 15360, 20480, 30720, 40960, 61440, 81920, 122880, 163840, 245760, 327680, 491520)
+#: The longest RNR back-off a sender waits before it tries again (a RESUME ends it sooner).
+RNR_BACKOFF_MAX_S = 1.0
+#: Atomic responses a responder keeps to answer a repeated request without applying it twice.
+ATOMIC_REPLAY = 16
 _REMOTE_WRITE = int(A.IBV_ACCESS_REMOTE_WRITE)
 _REMOTE_READ = int(A.IBV_ACCESS_REMOTE_READ)
 _LOCAL_WRITE = int(A.IBV_ACCESS_LOCAL_WRITE)
@@ -185,7 +207,7 @@ class OutWR:
     """A send WR between being taken from the SQ and its completion."""
 
     __slots__ = ("wr_id", "wc_opcode", "signaled", "byte_len", "last_n", "done", "status",
-                 "rkey", "raddr", "sink_stag")
+                 "rkey", "raddr", "sink_stag", "q0_last", "atomic_msn")
 
     def __init__(self, wr_id: int, wc_opcode: int, signaled: bool, byte_len: int) -> None:
         self.wr_id = wr_id
@@ -198,6 +220,11 @@ class OutWR:
         self.rkey = 0
         self.raddr = 0
         self.sink_stag = -1
+        # MSN of the WR's last queue-0 message (Send, Immediate Data): such a WR
+        # completes when the receiver accepts that message (Modified ACK), not
+        # when the link acknowledges it, because the receiver may NACK it.
+        self.q0_last = -1
+        self.atomic_msn = -1  # queue-3 MSN of an Atomic Request
 
 
 class _Gather:
@@ -208,6 +235,11 @@ class _Gather:
     def __init__(self, pieces: list[tuple[memoryview, int, int]]) -> None:
         self.pieces = pieces
         self.total = sum(p[2] for p in pieces)
+        self.idx = 0
+        self.off = 0
+
+    def rewind(self) -> None:
+        """Start gathering from the first byte again (a NACKed Send is re-sent whole)."""
         self.idx = 0
         self.off = 0
 
@@ -242,18 +274,56 @@ class _Gather:
 
 
 class _Sending:
-    """The WR the requester is segmenting now."""
+    """The RDMA Write the requester is segmenting now."""
 
-    __slots__ = ("wr", "gather", "sent", "opcode", "imm", "data_done", "solicited")
+    __slots__ = ("wr", "gather", "sent", "with_imm", "imm", "solicited")
 
-    def __init__(self, wr: OutWR, gather: _Gather, opcode: int, imm: int) -> None:
+    def __init__(self, wr: OutWR, gather: _Gather, with_imm: bool, imm: int, solicited: bool) -> None:
         self.wr = wr
         self.gather = gather
         self.sent = 0
-        self.opcode = opcode
+        self.with_imm = with_imm
         self.imm = imm
-        self.data_done = False
-        self.solicited = False
+        self.solicited = solicited
+
+
+class _Q0Msg:
+    """A queue-0 message (Send, or Immediate Data when ``gather`` is None) kept
+    until the receiver accepts it, so a receiver-not-ready NACK can have it re-sent."""
+
+    __slots__ = ("msn", "wr", "gather", "opcode", "inv_stag", "flags", "imm", "sent")
+
+    def __init__(self, msn: int, wr: OutWR, gather: _Gather | None, opcode: int, inv_stag: int = 0,
+                 flags: int = 0, imm: int = 0) -> None:
+        self.msn = msn  # unwrapped; the wire carries msn & 0xFFFFFFFF
+        self.wr = wr
+        self.gather = gather
+        self.opcode = opcode
+        self.inv_stag = inv_stag
+        self.flags = flags
+        self.imm = imm
+        self.sent = 0
+
+
+class _PendingAtomic:
+    """An ORRQ entry for an Atomic Request: where the original value goes."""
+
+    __slots__ = ("wr", "gather", "req_id")
+
+    def __init__(self, wr: OutWR, gather: _Gather, req_id: int) -> None:
+        self.wr = wr
+        self.gather = gather
+        self.req_id = req_id
+
+
+class _AtomicReply:
+    """An IRRQ entry: an Atomic Response body waiting its turn behind earlier Read Responses."""
+
+    __slots__ = ("body",)
+    view = None  # touches no region after the operation: nothing to release
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
 
 
 class _PendingRead:
@@ -317,14 +387,32 @@ class QueuePair:
         self.sending: _Sending | None = None
         self.orrq: collections.deque[_PendingRead] = collections.deque()
         self.irrq: collections.deque[_ReadResponse] = collections.deque()
-        self.read_msn = 1  # RFC 5041 §5.3: MSN starts at 1 on each untagged queue
+        # RFC 5041 §5.3: MSN starts at 1 on each untagged queue.  Kept unwrapped
+        # here; the wire carries the low 32 bits.
+        self.read_msn = 1
         self.send_msn = 1
         self.term_msn = 1
+        self.atomic_msn = 1
+        self.atomic_resp_msn = 1
+        self.next_req_id = 1
+        # Requester side of Modified ACK/NACK: queue-0 messages not yet accepted.
+        self.q0: collections.deque[_Q0Msg] = collections.deque()
+        self.q0_cursor = 0  # index in q0 of the next message (or segment) to send
+        self.rnr_until: float | None = None  # backing off after an RNR NACK until then
+        self.rnr_blocked_msn = -1  # NACKed MSN: nothing new goes until it is accepted
+        self.rnr_tries = 0
         self.next_sink = 1
         self.rx_write_bytes = 0
         self.rx_msn = 1  # next MSN expected on untagged queue 0 (Send, Immediate Data)
         self.rx_recv: tuple[int, _Gather | None] | None = None  # receive WQE being filled
         self.rx_placed = 0
+        self.rx_imm_pending = False  # a Send with IMM_FOLLOWS placed; its Immediate Data completes it
+        # Responder side of Modified ACK/NACK.
+        self.rx_rnr = False  # NACKed rx_msn: drop queue-0 messages until it comes again from MO 0
+        self.rx_resume_sent = False
+        self.flow_ack_due = False
+        self.rx_atomic_msn = 1
+        self.atomic_replay: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self.terminated = False
 
     # -- control path -------------------------------------------------------
@@ -363,6 +451,8 @@ class QueuePair:
     def uses_view(self, view: memoryview) -> bool:
         """True if an in-flight WR or Read Response references ``view`` (an MR's mapping)."""
         if self.sending is not None and any(p[0] is view for p in self.sending.gather.pieces):
+            return True
+        if any(p[0] is view for m in self.q0 if m.gather is not None for p in m.gather.pieces):
             return True
         if any(p[0] is view for rd in self.orrq for p in rd.gather.pieces):
             return True
@@ -406,6 +496,10 @@ class QueuePair:
             self._complete(wr)
         self.outstanding.clear()
         self.sending = None
+        self.q0.clear()
+        self.q0_cursor = 0
+        self.rnr_until = None
+        self.rnr_blocked_msn = -1
         if self.rx_recv is not None:  # a receive half filled by a Send
             self.recv_cq.push(self.rx_recv[0], W.IBV_WC_WR_FLUSH_ERR, WcOpcode.IBV_WC_RECV, 0, self.qpn,
                               self.dest_qpn)
@@ -470,10 +564,11 @@ class QueuePair:
         w = sq.peek()
         opcode = int(w.opcode)
         flags = int(w.send_flags)
-        if opcode == WrOpcode.IBV_WR_RDMA_READ and (len(self.orrq) >= self.ord):
-            return False  # ORD reached: wait for a response (RFC 5040 §6.5)
+        reads_remote = opcode == WrOpcode.IBV_WR_RDMA_READ or opcode in _ATOMIC_WR
+        if reads_remote and len(self.orrq) >= self.ord:
+            return False  # ORD reached: wait for a response (RFC 5040 §6.5; atomics share it, RFC 7306 §6)
         if flags & SendFlags.IBV_SEND_FENCE and self.orrq:
-            return False  # fence: earlier Reads must finish first
+            return False  # fence: earlier Reads and atomics must finish first
         signaled = bool(self.sq_sig_all or flags & SendFlags.IBV_SEND_SIGNALED)
         wr = OutWR(int(w.wr_id), _wc_opcode(opcode), signaled, 0)
         num_sge = int(w.num_sge)
@@ -482,7 +577,7 @@ class QueuePair:
         gather = None
         if opcode not in _SUPPORTED_WR:
             status = W.IBV_WC_LOC_QP_OP_ERR
-        elif flags & SendFlags.IBV_SEND_INLINE and opcode != WrOpcode.IBV_WR_RDMA_READ:
+        elif flags & SendFlags.IBV_SEND_INLINE and not reads_remote:
             n = int(w.inline_len)
             if n > min(shm.MAX_INLINE, self.caps["max_inline_data"]):
                 status = W.IBV_WC_LOC_LEN_ERR
@@ -492,10 +587,12 @@ class QueuePair:
         elif num_sge > self.caps["max_send_sge"]:
             status = W.IBV_WC_LOC_LEN_ERR
         else:
-            access = _LOCAL_WRITE if opcode == WrOpcode.IBV_WR_RDMA_READ else 0
-            gather = self._resolve(w, num_sge, access)
+            gather = self._resolve(w, num_sge, _LOCAL_WRITE if reads_remote else 0)
             if gather is None:
                 status = W.IBV_WC_LOC_PROT_ERR
+            elif opcode in _ATOMIC_WR and gather.total != 8:
+                status = W.IBV_WC_LOC_LEN_ERR  # the original value is one 64-bit word
+        compare_add, swap = int(w.compare_add), int(w.swap)
         sq.pop()
         if gather is not None:
             wr.byte_len = gather.total
@@ -506,40 +603,89 @@ class QueuePair:
             wr.done = True
             self.fatal(f"local error on wr {wr.wr_id}: {W(wr.status).name}", EventType.IBV_EVENT_QP_REQ_ERR)
             return True
+        solicited = bool(flags & SendFlags.IBV_SEND_SOLICITED)
         if opcode == WrOpcode.IBV_WR_RDMA_READ:
             self._send_read_request(wr, gather, rkey, raddr)
+        elif opcode in _ATOMIC_WR:
+            self._send_atomic_request(wr, gather, _ATOMIC_WR[opcode], rkey, raddr, compare_add, swap)
+        elif opcode in _SEND_WR:
+            # RFC 5040 §5.3: Send, with Invalidate (the STag rides in the header)
+            # and/or Solicited Event; with Immediate it is followed by RFC 7306
+            # Immediate Data that completes the same receive (envelope IMM_FOLLOWS).
+            inv = opcode == WrOpcode.IBV_WR_SEND_WITH_INV
+            with_imm = opcode == WrOpcode.IBV_WR_SEND_WITH_IMM
+            self._queue_q0(_Q0Msg(self.send_msn, wr, gather, _SEND_OPCODE[inv, solicited and not with_imm],
+                                  imm if inv else 0, _IMM_FOLLOWS if with_imm else 0))
+            if with_imm:
+                self._queue_q0(_Q0Msg(self.send_msn, wr, None,
+                                      Opcode.IMMEDIATE_DATA_SE if solicited else Opcode.IMMEDIATE_DATA, imm=imm))
         else:
-            self.sending = _Sending(wr, gather, opcode, imm)
-            self.sending.solicited = bool(flags & SendFlags.IBV_SEND_SOLICITED)
+            self.sending = _Sending(wr, gather, opcode == WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, imm, solicited)
         return True
 
-    def _send_read_request(self, wr: OutWR, gather: _Gather, rkey: int, raddr: int) -> None:
+    def _queue_q0(self, m: _Q0Msg) -> None:
+        self.q0.append(m)
+        m.wr.q0_last = m.msn
+        self.send_msn += 1
+
+    def _send_untagged(self, opcode: int, msn: int, body: bytes) -> int:
+        """Queue a single-segment untagged message (Read Request, atomics, Immediate Data, Terminate)."""
         assert self.link is not None
+        buf = bytearray(_UNTAGGED_PREFIX + len(body))
+        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, opcode, True, msn & _U32, 0)
+        buf[_UNTAGGED_PREFIX:] = body
+        return self.link.send(buf)
+
+    def _send_read_request(self, wr: OutWR, gather: _Gather, rkey: int, raddr: int) -> None:
         sink = self.next_sink
         self.next_sink = (sink + 1) & _U32 or 1
         wr.sink_stag = sink
         body = rdmap.encode_read_request(rdmap.ReadRequest(sink, 0, gather.total, rkey, raddr))
-        buf = bytearray(_UNTAGGED_PREFIX + len(body))
-        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_READ_REQUEST, True, self.read_msn, 0)
-        self.read_msn = (self.read_msn + 1) & _U32
-        buf[_UNTAGGED_PREFIX:] = body
-        self.link.send(buf)  # a Read completes when placed, not when its request is acked
+        self._send_untagged(Opcode.RDMA_READ_REQUEST, self.read_msn, body)
+        self.read_msn += 1  # a Read completes when placed, not when its request is acked
         self.orrq.append(_PendingRead(wr, gather))
+
+    def _send_atomic_request(self, wr: OutWR, gather: _Gather, aop: int, rkey: int, raddr: int,
+                             compare_add: int, swap: int) -> None:
+        # RFC 7306 §5.2: verbs' plain FetchAdd is a masked add with no field
+        # boundaries (mask 0); CmpSwap compares and swaps all 64 bits.
+        if aop == AtomicOp.FETCH_ADD:
+            req = rdmap.AtomicRequest(aop, self.next_req_id, rkey, raddr, compare_add, 0, 0, 0)
+        else:
+            req = rdmap.AtomicRequest(aop, self.next_req_id, rkey, raddr, swap, _U64, compare_add, _U64)
+        wr.atomic_msn = self.atomic_msn
+        self._send_untagged(Opcode.ATOMIC_REQUEST, self.atomic_msn, rdmap.encode_atomic_request(req))
+        self.atomic_msn += 1
+        self.orrq.append(_PendingAtomic(wr, gather, self.next_req_id))
+        self.next_req_id = (self.next_req_id + 1) & _U32
 
     def pump(self, budget: int) -> int:
         """Queue up to ``budget`` messages on the link; return how many were queued."""
         link = self.link
         if link is None or not link.up:
             return 0
+        if self.flow_ack_due or (self.rx_rnr and not self.rx_resume_sent):
+            self._send_flow_control()
         sent = 0
         max_data = link.max_data
         while sent < budget and link.link.send_space() > 0:
-            # Read Responses first: the peer's Reads are waiting on us.
+            # Read and atomic responses first: the peer is waiting on us.
             if self.irrq:
-                sent += self._send_read_response(max_data)
+                self._send_response(max_data)
+                sent += 1
                 continue
             if self.state != _RTS:
                 break
+            if self.rnr_until is not None:
+                if self.device.now < self.rnr_until:
+                    break  # receiver not ready: back off (a RESUME ends this early)
+                self.rnr_until = None
+            if self.q0_cursor < len(self.q0):
+                self._send_q0_segment(max_data - _UNTAGGED_EXTRA)
+                sent += 1
+                continue
+            if self.rnr_blocked_msn >= 0:
+                break  # Modified ACK/NACK: nothing new until the NACKed message is accepted
             s = self.sending
             if s is None:
                 if not self._start_next():
@@ -547,67 +693,165 @@ class QueuePair:
                 if self.state != S.IBV_QPS_RTS:
                     break
                 continue
-            if not s.data_done:
-                total = s.gather.total
-                send = s.opcode == WrOpcode.IBV_WR_SEND
-                prefix = _UNTAGGED_PREFIX if send else _TAGGED_PREFIX
-                n = min(max_data if not send else max_data - _UNTAGGED_EXTRA, total - s.sent)
-                last = s.sent + n == total
-                buf = bytearray(prefix + n)
-                if send:
-                    # RFC 5040 §5.3: a Send is untagged on queue 0; MSN numbers the
-                    # message, MO is the offset of this segment in it (RFC 5041 §5.3).
-                    segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn,
-                                               Opcode.SEND_SE if s.solicited else Opcode.SEND, last,
-                                               self.send_msn, s.sent)
-                else:
-                    segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, last,
-                                             s.wr.rkey, (s.wr.raddr + s.sent) & 0xFFFFFFFFFFFFFFFF)
-                if n:
-                    s.gather.copy_out(buf, prefix, n)
-                s.sent += n
-                num = link.send(buf)
-                sent += 1
-                if last:
-                    s.data_done = True
-                    if send:
-                        self.send_msn = (self.send_msn + 1) & _U32
-                    if s.opcode != WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM:
-                        s.wr.last_n = num
-                        self.sending = None
-                continue
-            # RFC 7306 §4: Immediate Data follows the Write on the send queue (QN 0).
-            body = rdmap.encode_immediate_data(s.imm)
-            buf = bytearray(_UNTAGGED_PREFIX + len(body))
-            segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn,
-                                       Opcode.IMMEDIATE_DATA_SE if s.solicited else Opcode.IMMEDIATE_DATA, True,
-                                       self.send_msn, 0)
-            self.send_msn = (self.send_msn + 1) & _U32
-            buf[_UNTAGGED_PREFIX:] = body
-            s.wr.last_n = link.send(buf)
+            # RFC 5040 §5.1: an RDMA Write is tagged segments into the peer's STag.
+            n = min(max_data, s.gather.total - s.sent)
+            last = s.sent + n == s.gather.total
+            buf = bytearray(_TAGGED_PREFIX + n)
+            segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, last,
+                                     s.wr.rkey, (s.wr.raddr + s.sent) & _U64)
+            if n:
+                s.gather.copy_out(buf, _TAGGED_PREFIX, n)
+            s.sent += n
+            num = link.send(buf)
             sent += 1
-            self.sending = None
+            if last:
+                self.sending = None
+                if s.with_imm:
+                    # RFC 7306 §4: Immediate Data follows the Write on queue 0 and
+                    # consumes a receive, so it is subject to RNR like a Send.
+                    self._queue_q0(_Q0Msg(self.send_msn, s.wr, None,
+                                          Opcode.IMMEDIATE_DATA_SE if s.solicited else Opcode.IMMEDIATE_DATA,
+                                          imm=s.imm))
+                else:
+                    s.wr.last_n = num
         return sent
 
-    def _send_read_response(self, max_data: int) -> int:
+    def _send_q0_segment(self, max_data: int) -> None:
+        """Send the next segment of the queue-0 message at the cursor."""
+        m = self.q0[self.q0_cursor]
+        if m.gather is None:
+            self._send_untagged(m.opcode, m.msn, rdmap.encode_immediate_data(m.imm))
+            self.q0_cursor += 1
+            return
+        assert self.link is not None
+        total = m.gather.total
+        n = min(max_data, total - m.sent)
+        last = m.sent + n == total
+        buf = bytearray(_UNTAGGED_PREFIX + n)
+        # RFC 5041 §5.3: MSN numbers the message, MO is this segment's offset in it.
+        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, m.opcode, last, m.msn & _U32, m.sent,
+                                   m.inv_stag, m.flags if last else 0)
+        if n:
+            m.gather.copy_out(buf, _UNTAGGED_PREFIX, n)
+        m.sent += n
+        self.link.send(buf)
+        if last:
+            self.q0_cursor += 1
+
+    def _send_response(self, max_data: int) -> None:
+        """Send the next segment of the IRRQ head: a Read Response or an Atomic Response."""
         assert self.link is not None
         r = self.irrq[0]
+        if type(r) is _AtomicReply:
+            self._send_untagged(Opcode.ATOMIC_RESPONSE, self.atomic_resp_msn, r.body)
+            self.atomic_resp_msn += 1
+            self.irrq.popleft()
+            return
         n = min(max_data, r.size - r.sent)
         last = r.sent + n == r.size
         buf = bytearray(_TAGGED_PREFIX + n)
         segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_READ_RESPONSE, last,
-                                 r.sink_stag, (r.sink_to + r.sent) & 0xFFFFFFFFFFFFFFFF)
+                                 r.sink_stag, (r.sink_to + r.sent) & _U64)
         start = r.off + r.sent
         buf[_TAGGED_PREFIX:] = r.view[start:start + n]
         r.sent += n
         self.link.send(buf)
         if last:
             self.irrq.popleft()
-        return 1
+
+    # -- Modified ACK/NACK (wire/flow.py) -------------------------------------
+    def _send_flow(self, ftype: int, msn: int, backoff_us: int = 0) -> None:
+        assert self.link is not None
+        self.link.send(envelope.encode(Kind.FLOW, self.dest_qpn, self.qpn,
+                                       flow.encode(FlowMessage(ftype, msn & _U32, backoff_us))))
+
+    def _send_flow_control(self) -> None:
+        """Receiver side, once per pass: the cumulative ACK of accepted queue-0
+        messages, and a RESUME once a receive is posted after an RNR NACK."""
+        if self.flow_ack_due:
+            self.flow_ack_due = False
+            self._send_flow(FlowType.ACK, self.rx_msn)
+        if self.rx_rnr and not self.rx_resume_sent:
+            try:
+                posted = self.rq.available()
+            except shm.RingError:
+                posted = 0
+            if posted:
+                # Beyond the RHiNET paper: say "go" at once instead of letting
+                # the sender sit out its back-off.
+                self.rx_resume_sent = True
+                self.device.stats["rnr_resume_sent"] += 1
+                self._send_flow(FlowType.RESUME, self.rx_msn)
+
+    def _unwrap_msn(self, wire_msn: int) -> int:
+        """The unwrapped MSN of a queue-0 message we sent, from its 32-bit wire form."""
+        base = self.q0[0].msn if self.q0 else self.send_msn
+        return base + ((wire_msn - base) & _U32) if (wire_msn - base) & _U32 < 1 << 31 \
+            else base - ((base - wire_msn) & _U32)
+
+    def on_flow(self, payload: memoryview) -> None:
+        """A Modified ACK/NACK message from the peer QP (never raises on bad input)."""
+        try:
+            m = flow.decode_untrusted(payload)
+        except Exception:  # WireError only; a bad message is a counter, not a crash
+            self.device.stats["rx_bad_flow"] += 1
+            return
+        if self.state == S.IBV_QPS_ERR:
+            return
+        msn = self._unwrap_msn(m.msn)
+        stats = self.device.stats
+        if m.ftype == FlowType.ACK:
+            q = self.q0
+            popped = 0
+            while q and q[0].msn < msn and popped < self.q0_cursor:
+                e = q.popleft()
+                popped += 1
+                if e.msn == e.wr.q0_last:
+                    e.wr.done = True
+            self.q0_cursor -= popped
+            if self.rnr_blocked_msn >= 0 and (not q or q[0].msn > self.rnr_blocked_msn):
+                self.rnr_blocked_msn = -1  # the NACKed message got in: new messages may go
+                self.rnr_tries = 0
+                self.rnr_until = None
+        elif m.ftype == FlowType.RNR_NACK:
+            stats["rnr_nack_received"] += 1
+            idx = next((i for i, e in enumerate(self.q0) if e.msn == msn), -1)
+            if idx < 0 or idx >= self.q0_cursor and self.q0[idx].sent == 0:
+                stats["rnr_nack_stale"] += 1
+                return
+            retry = int(self.attrs["rnr_retry"])
+            if retry != 7 and self.rnr_tries >= retry:  # verbs: 7 means retry forever
+                stats["rnr_retry_exceeded"] += 1
+                wr = self.q0[idx].wr
+                wr.status = W.IBV_WC_RNR_RETRY_EXC_ERR
+                wr.done = True
+                self.fatal(f"RNR retry count ({retry}) exceeded at MSN {msn}")
+                return
+            self.rnr_tries += 1
+            # Go back to the NACKed message: it and everything after it on queue 0
+            # was dropped by the receiver (RHiNET's Modified ACK/NACK).
+            for i in range(idx, len(self.q0)):
+                e = self.q0[i]
+                e.sent = 0
+                if e.gather is not None:
+                    e.gather.rewind()
+            self.q0_cursor = idx
+            self.rnr_blocked_msn = msn
+            backoff_s = max(m.backoff_us, 10) * 1e-6 * (1 << min(self.rnr_tries - 1, 16))
+            self.rnr_until = self.device.now + min(backoff_s, RNR_BACKOFF_MAX_S)
+            self.device.rnr_waiting.add(self)
+        elif m.ftype == FlowType.RESUME:
+            stats["rnr_resume_received"] += 1
+            if self.rnr_blocked_msn == msn:
+                self.rnr_until = None  # the receiver has a buffer now: re-send at once
+
 
     # -- responder ----------------------------------------------------------
-    def on_segment(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
-        """Handle one DDP segment addressed to this QP (``raw``: the segment from its DDP header)."""
+    def on_segment(self, hdr: Any, payload: memoryview, raw: memoryview, flags: int = 0) -> None:
+        """Handle one DDP segment addressed to this QP.
+
+        ``raw``: the segment from its DDP header; ``flags``: its envelope flags.
+        """
         if self.state not in _RECEIVING:
             return
         op = hdr.opcode
@@ -624,16 +868,27 @@ class QueuePair:
             self.rx_write_bytes += n
         elif op == _OP_READ_RESPONSE:
             self._on_read_response(hdr, payload, raw)
+        elif op in _Q0_OPCODES:
+            if self.rx_rnr:
+                # Modified ACK/NACK: after a NACK, every queue-0 segment is dropped
+                # until the NACKed message comes again from its first byte.
+                if hdr.msn != self.rx_msn or hdr.mo != 0:
+                    self.device.stats["rnr_dropped"] += 1
+                    return
+                self.rx_rnr = False
+            if op == Opcode.IMMEDIATE_DATA or op == Opcode.IMMEDIATE_DATA_SE:
+                self._on_immediate(hdr, payload, raw)
+            else:
+                self._on_send(hdr, payload, raw, flags)
         elif op == Opcode.RDMA_READ_REQUEST:
             self._on_read_request(payload, raw)
-        elif op == Opcode.SEND or op == Opcode.SEND_SE:
-            self._on_send(hdr, payload, raw)
-        elif op in (Opcode.IMMEDIATE_DATA, Opcode.IMMEDIATE_DATA_SE):
-            self._on_immediate(hdr, payload, raw)
+        elif op == Opcode.ATOMIC_REQUEST:
+            self._on_atomic_request(hdr, payload, raw)
+        elif op == Opcode.ATOMIC_RESPONSE:
+            self._on_atomic_response(payload, raw)
         elif op == Opcode.TERMINATE:
             self._on_terminate(payload)
-        else:
-            # Send and atomics are not implemented yet: RFC 5040 §4.8 "unexpected opcode".
+        else:  # pragma: no cover - the decoder admits no other opcode
             self._terminate(rdmap.RdmapErrorCode.UNEXPECTED_OPCODE, raw, len(payload),
                             etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
 
@@ -677,10 +932,10 @@ class QueuePair:
             rd.wr.done = True
 
     def _take_receive(self, hdr: Any, raw: memoryview, seglen: int) -> bool:
-        """Start the next untagged message: check its MSN, take the next receive WQE.
+        """Start the next queue-0 message: check its MSN, take the next receive WQE.
 
-        Returns False (after a Terminate) when the MSN is out of order or no
-        receive is posted.
+        Returns False when the message cannot start: an MSN out of order ends
+        in a Terminate; no posted receive in an RNR NACK (``rx_rnr`` set).
         """
         if hdr.msn != self.rx_msn or hdr.mo != 0:
             # RFC 5041 §7.2: MSN out of range / bad MO for the untagged queue.
@@ -692,15 +947,20 @@ class QueuePair:
         except shm.RingError:
             have = 0
         if not have:
-            # No receive posted.  Modified ACK/NACK (RNR) is a later layer; for now
-            # this is RFC 5041 §7.2's "no buffer" untagged error.
-            self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_NO_BUFFER, raw, seglen,
-                            layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+            # Receiver not ready (RHiNET/PM Modified ACK/NACK): NACK this MSN and
+            # drop the rest of queue 0 until the sender comes back to it.  The
+            # back-off hint is our min_rnr_timer, as an IB RNR NAK carries it.
+            self.rx_rnr = True
+            self.rx_resume_sent = False
+            self.device.stats["rnr_nack_sent"] += 1
+            code = int(self.attrs["min_rnr_timer"])
+            self._send_flow(FlowType.RNR_NACK, self.rx_msn, RNR_TIMER_US[code if 0 <= code < 32 else 0])
             return False
         w = self.rq.peek()
         n = int(w.num_sge)
         gather = self._resolve(w, n, _LOCAL_WRITE) if n <= self.caps["max_recv_sge"] else None
         self.rx_recv = (int(w.wr_id), gather)
+        self.rx_placed = 0
         self.rq.pop()
         return True
 
@@ -708,22 +968,23 @@ class QueuePair:
                         solicited: bool = False) -> None:
         wr_id, _ = self.rx_recv  # type: ignore[misc]
         self.rx_recv = None
+        self.rx_imm_pending = False
         self.rx_msn = (self.rx_msn + 1) & _U32
+        if status == W.IBV_WC_SUCCESS:
+            self.flow_ack_due = True  # Modified ACK: the sender may complete the WR
         self.recv_cq.push(wr_id, status, opcode, byte_len if status == 0 else 0, self.qpn, self.dest_qpn,
                           imm, flags, solicited=solicited)
 
-    def _on_send(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
+    def _on_send(self, hdr: Any, payload: memoryview, raw: memoryview, flags: int) -> None:
         n = len(payload)
         if self.rx_recv is None:
             if not self._take_receive(hdr, raw, n):
                 return
-        elif hdr.msn != self.rx_msn or hdr.mo != self.rx_placed:
+        elif self.rx_imm_pending or hdr.msn != self.rx_msn or hdr.mo != self.rx_placed:
             self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MO, raw, n,
                             layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
             return
         _, gather = self.rx_recv  # type: ignore[misc]
-        if hdr.mo == 0:
-            self.rx_placed = 0
         if gather is None:
             # The receive's own SGEs are bad: a local error at this end (verbs
             # LOC_PROT_ERR on the receive), and the sender learns by Terminate.
@@ -739,9 +1000,29 @@ class QueuePair:
         if n:
             gather.scatter(self.rx_placed, payload)
         self.rx_placed += n
-        if hdr.last:
-            self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed,
-                                 solicited=hdr.opcode == Opcode.SEND_SE)
+        if not hdr.last:
+            return
+        wc_flags = 0
+        inv = hdr.inv_stag
+        op = hdr.opcode
+        if op == Opcode.SEND_INVALIDATE or op == Opcode.SEND_SE_INVALIDATE:
+            # RFC 5040 §5.3 / §6.x: the STag is invalid before the receive completes.
+            mr = self.device.stags.lookup(inv)
+            if mr is None or mr.pd is not self.pd:
+                self._finish_receive(W.IBV_WC_LOC_PROT_ERR, WcOpcode.IBV_WC_RECV, 0)
+                self._terminate(rdmap.RdmapErrorCode.STAG_CANNOT_BE_INVALIDATED, raw, n,
+                                etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+                return
+            self.device.stags.invalidate(inv)
+            self.device.stats["stag_remote_invalidated"] += 1
+            wc_flags = WcFlags.IBV_WC_WITH_INV
+        if flags & _IMM_FOLLOWS and not wc_flags:
+            # Send with Immediate: the receive completes with the Immediate Data next.
+            self.rx_imm_pending = True
+            self.rx_msn = (self.rx_msn + 1) & _U32
+            return
+        self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed, inv if wc_flags else 0,
+                             wc_flags, solicited=op == Opcode.SEND_SE or op == Opcode.SEND_SE_INVALIDATE)
 
     def _on_immediate(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
         try:
@@ -750,15 +1031,92 @@ class QueuePair:
             self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
                             etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
             return
-        if self.rx_recv is not None or not self._take_receive(hdr, raw, len(payload)):
-            if self.state != S.IBV_QPS_ERR:
+        solicited = hdr.opcode == Opcode.IMMEDIATE_DATA_SE
+        if self.rx_imm_pending:
+            if hdr.msn != self.rx_msn:
                 self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, len(payload),
                                 layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+                return
+            # The second half of a Send with Immediate: one receive, the Send's length.
+            self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed, imm & _U32,
+                                 WcFlags.IBV_WC_WITH_IMM, solicited=solicited)
+            return
+        if self.rx_recv is not None:
+            self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, len(payload),
+                            layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+            return
+        if not self._take_receive(hdr, raw, len(payload)):
             return
         # RFC 7306 §4: Immediate Data consumes a receive; verbs reports the Write's length.
         self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV_RDMA_WITH_IMM, self.rx_write_bytes,
-                             imm & _U32, WcFlags.IBV_WC_WITH_IMM, solicited=hdr.opcode == Opcode.IMMEDIATE_DATA_SE)
+                             imm & _U32, WcFlags.IBV_WC_WITH_IMM, solicited=solicited)
         self.rx_write_bytes = 0
+
+    def _on_atomic_request(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
+        """RFC 7306 §5: apply an atomic to an 8-byte word and queue its response.
+
+        The data loop is one thread, so an atomic is indivisible with respect to
+        every other atomic and every RDMA Write on this daemon, from any QP.
+        """
+        try:
+            req = rdmap.decode_atomic_request_untrusted(payload)
+        except Exception:  # WireError only
+            self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+            return
+        msn = hdr.msn
+        if msn != self.rx_atomic_msn:
+            cached = self.atomic_replay.get(msn)
+            if cached is None:
+                self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, len(payload),
+                                layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
+                return
+            # A repeated request (its response was lost on some path): answer it
+            # again from the record, never apply it a second time.
+            self.device.stats["atomic_replayed"] += 1
+            self.irrq.append(_AtomicReply(cached))
+            return
+        if len(self.irrq) >= self.ird:
+            self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+            return
+        mr = self.device.stags.lookup(req.stag)
+        code, off = (tables.INVALID_STAG, 0) if mr is None else mr.check(
+            self.pd, _REMOTE_ATOMIC, req.to, 8, tagged=True)
+        if code:
+            self._terminate(_TERM_CODE[code], raw, len(payload))
+            return
+        if req.to & 7:
+            # RFC 7306 §5.2: the target must be 8-byte aligned.
+            self._terminate(rdmap.RdmapErrorCode.BASE_OR_BOUNDS_VIOLATION, raw, len(payload))
+            return
+        word = mr.view[off:off + 8]
+        orig = int.from_bytes(word, _HOST_ORDER)
+        word[:] = _apply_atomic(req, orig).to_bytes(8, _HOST_ORDER)
+        body = rdmap.encode_atomic_response(rdmap.AtomicResponse(req.req_id, orig))
+        self.rx_atomic_msn = (msn + 1) & _U32
+        self.atomic_replay[msn] = body
+        if len(self.atomic_replay) > ATOMIC_REPLAY:
+            self.atomic_replay.popitem(last=False)
+        self.irrq.append(_AtomicReply(body))
+
+    def _on_atomic_response(self, payload: memoryview, raw: memoryview) -> None:
+        rd = self.orrq[0] if self.orrq else None
+        try:
+            resp = rdmap.decode_atomic_response_untrusted(payload)
+        except Exception:
+            resp = None
+        if type(rd) is not _PendingAtomic or resp is None or resp.req_id != rd.req_id:
+            if rd is not None:
+                rd.wr.status = W.IBV_WC_BAD_RESP_ERR
+                rd.wr.done = True
+            self._terminate(rdmap.RdmapErrorCode.UNEXPECTED_OPCODE, raw, len(payload),
+                            etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+            return
+        # The original value lands in host byte order, as an RNIC's DMA leaves it.
+        rd.gather.scatter(0, memoryview(resp.orig_value.to_bytes(8, _HOST_ORDER)))
+        self.orrq.popleft()
+        rd.wr.done = True
 
     def _terminate(self, ecode: int, raw: memoryview, seglen: int, *,
                    layer: int = rdmap.TermLayer.RDMAP, etype: int = rdmap.RdmapErrorType.REMOTE_PROTECTION,
@@ -820,14 +1178,38 @@ class QueuePair:
                     if wr.sink_stag < 0 and wr.rkey == stag and wr.raddr <= to <= wr.raddr + wr.byte_len:
                         return wr
         elif len(h) == rdmap.ddp.UNTAGGED_HEADER_LEN:
+            qn, msn = rdmap.ddp.UNTAGGED.unpack(h)[3:5]
+            if qn == rdmap.QueueNumber.ATOMIC_REQUEST:
+                for wr in self.outstanding:
+                    if wr.atomic_msn >= 0 and wr.atomic_msn & _U32 == msn:
+                        return wr
             # A Send or Immediate Data: the oldest unfinished WR that is not a Read.
             for wr in self.outstanding:
-                if wr.sink_stag < 0 and not wr.done:
+                if wr.sink_stag < 0 and wr.atomic_msn < 0 and not wr.done:
                     return wr
         for wr in self.outstanding:
             if not wr.done:
                 return wr
         return None
+
+
+def _apply_atomic(req: rdmap.AtomicRequest, orig: int) -> int:
+    """The new value of the target word (RFC 7306 §5.2, masked operations)."""
+    if req.aop == AtomicOp.FETCH_ADD:
+        mask = req.add_swap_mask
+        if not mask:
+            return (orig + req.add_swap_data) & _U64
+        # Masked Fetch-and-Add: a set mask bit ends a field, so no carry leaves it.
+        out, carry = 0, 0
+        a, b = orig, req.add_swap_data
+        for bit in range(64):
+            s = ((a >> bit) & 1) + ((b >> bit) & 1) + carry
+            out |= (s & 1) << bit
+            carry = 0 if (mask >> bit) & 1 else s >> 1
+        return out
+    if req.aop == AtomicOp.CMP_SWAP and (orig ^ req.compare_data) & req.compare_mask:
+        return orig  # compare failed: the word stays, the original value still returns
+    return (orig & ~req.add_swap_mask & _U64) | (req.add_swap_data & req.add_swap_mask)
 
 
 def _terminate_status(t: rdmap.Terminate) -> int:

@@ -281,8 +281,25 @@ class Context(Resource):
             max_qp_wr=r.max_qp_wr, device_cap_flags=0, max_sge=r.max_sge, max_sge_rd=r.max_sge, max_cq=r.max_cq,
             max_cqe=r.max_cqe, max_mr=r.max_mr, max_pd=r.max_pd, max_qp_rd_atom=r.max_qp_rd_atom,
             max_qp_init_rd_atom=r.max_qp_init_rd_atom, max_res_rd_atom=r.max_qp * r.max_qp_rd_atom,
-            atomic_cap=0, max_inline_data=r.max_inline_data, phys_port_cnt=1,
+            atomic_cap=int(shm.AtomicCap.IBV_ATOMIC_HCA), max_inline_data=r.max_inline_data, phys_port_cnt=1,
         )
+
+    def query_stats(self) -> dict[str, int]:
+        """The daemon's counters, as ``rdma statistic show`` gives a real RNIC's.
+
+        Among them: ``rnr_nack_sent`` / ``rnr_nack_received`` and
+        ``rnr_resume_sent`` / ``rnr_resume_received`` (Modified ACK/NACK),
+        ``rnr_retry_exceeded``, ``terminate_sent``, ``atomic_replayed``,
+        ``rx_*`` (garbage from the network) and ``link_*`` (the links).
+        """
+        self._check_open()
+        r, _ = self.call(Op.QUERY_STATS)
+        out: dict[str, int] = {}
+        for line in r.data.decode("ascii", "replace").splitlines():
+            name, _, value = line.partition(" ")
+            if value.isdigit():
+                out[name] = int(value)
+        return out
 
     def query_port(self, port_num: int = 1) -> PortAttr:
         """Port attributes; ``lid`` is the daemon's UDP port (see the module docstring)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..wire.shm import (
     AccessFlags,
+    AtomicCap,
     EventType,
     QPAttrMask,
     QPState,
@@ -21,7 +22,7 @@ from ..wire.shm import (
     WrOpcode,
 )
 
-_ENUMS = (AccessFlags, EventType, QPAttrMask, QPState, QPType, SendFlags, WcFlags, WcOpcode, WcStatus, WrOpcode)
+_ENUMS = (AccessFlags, AtomicCap, EventType, QPAttrMask, QPState, QPType, SendFlags, WcFlags, WcOpcode, WcStatus, WrOpcode)
 
 for _e in _ENUMS:
     for _m in _e:

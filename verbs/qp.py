@@ -153,24 +153,51 @@ class SGE:
 
 
 class SendWR:
-    """``ibv_send_wr``; ``set_wr_rdma(rkey, addr)`` fills ``wr.rdma`` as in pyverbs."""
+    """``ibv_send_wr``; ``set_wr_rdma`` / ``set_wr_atomic`` fill ``wr.rdma`` / ``wr.atomic`` as in pyverbs.
+
+    ``imm_data`` (Send/Write with Immediate) and ``invalidate_rkey`` (Send
+    with Invalidate) share one field, as in ``ibv_send_wr``.
+    """
 
     def __init__(self, wr_id: int = 0, opcode: int = 2, num_sge: int | None = None, imm_data: int = 0,
-                 sg: list[SGE] | None = None, send_flags: int = 0, next_wr: "SendWR | None" = None) -> None:
+                 sg: list[SGE] | None = None, send_flags: int = 0, next_wr: "SendWR | None" = None,
+                 *, invalidate_rkey: int | None = None) -> None:
         self.wr_id = wr_id
         self.opcode = opcode
         self.sg = list(sg or [])
         self.num_sge = len(self.sg) if num_sge is None else num_sge
-        self.imm_data = imm_data
+        self.imm_data = imm_data if invalidate_rkey is None else invalidate_rkey
         self.send_flags = send_flags
         self.next_wr = next_wr
         self.rkey = 0
         self.remote_addr = 0
+        self.compare_add = 0
+        self.swap = 0
+
+    @property
+    def invalidate_rkey(self) -> int:
+        return self.imm_data
+
+    @invalidate_rkey.setter
+    def invalidate_rkey(self, rkey: int) -> None:
+        self.imm_data = rkey
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
         """Target of an RDMA Write/Read: the peer MR's ``rkey`` and an address in it."""
         self.rkey = rkey
         self.remote_addr = addr
+
+    def set_wr_atomic(self, rkey: int, addr: int, compare_add: int, swap: int = 0) -> None:
+        """Target and operands of an atomic (RFC 7306 §5): an 8-byte aligned ``addr`` in the peer MR.
+
+        Fetch-and-Add adds ``compare_add``; Compare-and-Swap writes ``swap``
+        where the word equals ``compare_add``.  The word's old value lands in
+        the WR's single 8-byte SGE.
+        """
+        self.rkey = rkey
+        self.remote_addr = addr
+        self.compare_add = compare_add
+        self.swap = swap
 
 
 class RecvWR:
@@ -300,6 +327,8 @@ class QP(Resource):
                 e.imm_data = wr.imm_data & _U32
                 e.rkey = wr.rkey & _U32
                 e.remote_addr = wr.remote_addr & _U64
+                e.compare_add = wr.compare_add & _U64
+                e.swap = wr.swap & _U64
                 if wr.send_flags & SendFlags.IBV_SEND_INLINE:
                     data = b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length))
                                     for s in wr.sg[:n])

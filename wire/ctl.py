@@ -61,6 +61,7 @@ class Op(enum.IntEnum):
     MODIFY_QP = 11
     QUERY_QP = 12
     DESTROY_QP = 13
+    QUERY_STATS = 14
     CM_LISTEN = 20
     CM_GET_REQUEST = 21
     CM_ACCEPT = 22
@@ -135,6 +136,7 @@ REQUESTS: dict[Op, Layout] = {
     Op.MODIFY_QP: Layout("ModifyQp", "II" + _QP_ATTR_FMT, "qp_num attr_mask " + _QP_ATTR_FIELDS),
     Op.QUERY_QP: Layout("QueryQp", "I", "qp_num"),
     Op.DESTROY_QP: Layout("DestroyQp", "I", "qp_num"),
+    Op.QUERY_STATS: _E,
     Op.CM_LISTEN: Layout("CmListen", "HI", "port backlog"),
     Op.CM_GET_REQUEST: Layout("CmGetRequest", "II", "listener_handle timeout_ms"),
     Op.CM_ACCEPT: Layout("CmAccept", "IIII", "conn_id qp_num ord ird", tail=True),
@@ -174,6 +176,8 @@ REPLIES: dict[Op, Layout] = {
         "max_inline_data sq_sig_all",
     ),
     Op.DESTROY_QP: _E,
+    # The device's counters (``rdma statistic`` of a real RNIC): "name value" lines, ASCII.
+    Op.QUERY_STATS: Layout("StatsRep", "I", "count", tail=True),
     Op.CM_LISTEN: Layout("CmListenRep", "I", "listener_handle"),
     Op.CM_GET_REQUEST: Layout(
         "CmRequest", "IIII16sH", "conn_id remote_qpn ord ird gid udp_port", tail=True

@@ -121,6 +121,14 @@ class WcFlags(enum.IntFlag):
     IBV_WC_WITH_INV = 8
 
 
+class AtomicCap(enum.IntEnum):
+    """``enum ibv_atomic_cap``: our atomics are atomic among all QPs of a daemon (HCA)."""
+
+    IBV_ATOMIC_NONE = 0
+    IBV_ATOMIC_HCA = 1
+    IBV_ATOMIC_GLOB = 2
+
+
 class AccessFlags(enum.IntFlag):
     """``enum ibv_access_flags``."""
 
@@ -236,9 +244,13 @@ struct uv_send_wqe {
     uint32_t opcode;
     uint32_t send_flags;
     uint32_t num_sge;
-    uint32_t imm_data;          /* network byte order, as in ibv_send_wr */
+    uint32_t imm_data;          /* network byte order, as in ibv_send_wr; for
+                                   IBV_WR_SEND_WITH_INV the rkey to invalidate
+                                   (a union in ibv_send_wr too) */
     uint32_t rkey;
     uint32_t inline_len;        /* IBV_SEND_INLINE: bytes in inline_data */
+    uint64_t compare_add;       /* atomics: CmpSwap compare value / FetchAdd addend */
+    uint64_t swap;              /* atomics: CmpSwap swap value */
     union {
         struct uv_sge sg[16];
         uint8_t inline_data[256];

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import time
 
 from udpverbs import verbs
 from udpverbs.verbs.enums import (
     IBV_QPS_ERR,
+    IBV_QPS_RTS,
     IBV_SEND_SIGNALED,
     IBV_SEND_SOLICITED,
     IBV_WC_LOC_LEN_ERR,
@@ -18,7 +20,7 @@ from udpverbs.verbs.enums import (
     IBV_WR_SEND,
 )
 
-from .conftest import Side, connect_manual
+from .conftest import ACCESS_ALL, Side, connect_manual
 
 
 def _send(qp: verbs.QP, mr: verbs.MR, off: int, n: int, wr_id: int) -> None:
@@ -55,15 +57,91 @@ def test_sends_fill_receives_in_order(pair) -> None:
         assert b.mr.read(half, off) + b.mr.read(len(blob) - half, off + half + 7) == blob
 
 
-def test_send_without_a_receive(daemons) -> None:
+def _rnr_pair(daemons, rnr_retry: int, min_rnr_timer: int) -> tuple[Side, Side]:
     a, b = Side(daemons[0]), Side(daemons[1])
+    for me, qp, peer, pqp in ((a, a.qp, b, b.qp), (b, b.qp, a, a.qp)):
+        attr = verbs.QPAttr(qp_access_flags=ACCESS_ALL, dest_qp_num=pqp.qp_num, rnr_retry=rnr_retry,
+                            min_rnr_timer=min_rnr_timer)
+        attr.ah_attr = verbs.AHAttr(dlid=peer.ctx.query_port().lid, gr=verbs.GlobalRoute(dgid=peer.ctx.query_gid()))
+        qp.to_rts(attr)
+    return a, b
+
+
+def _wait_stat(ctx: verbs.Context, name: str, at_least: int, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = ctx.query_stats().get(name, 0)
+        if v >= at_least or time.monotonic() > deadline:
+            return v
+        time.sleep(0.005)
+
+
+def test_rnr_retry_zero_fails_the_send(daemons) -> None:
+    a, b = _rnr_pair(daemons, rnr_retry=0, min_rnr_timer=1)
     try:
-        connect_manual(a, a.qp, b, b.qp)
         _send(a.qp, a.mr, 0, 10, 1)
         (wc,) = a.cq.poll_blocking(1, timeout=10)
-        # No RNR retries yet (Modified ACK/NACK is a later layer): the retry budget is zero.
         assert (wc.wr_id, wc.status) == (1, IBV_WC_RNR_RETRY_EXC_ERR)
-        assert b.qp.query()[0].qp_state == IBV_QPS_ERR
+        assert a.qp.query()[0].qp_state == IBV_QPS_ERR
+        # As in verbs, the responder is not at fault: its QP stays usable.
+        assert b.qp.query()[0].qp_state == IBV_QPS_RTS
+    finally:
+        a.close()
+        b.close()
+
+
+def test_send_before_the_receive_completes_once_it_is_posted(daemons) -> None:
+    # A back-off of 491 ms (min_rnr_timer 31): only the receiver's RESUME can
+    # finish the Send much sooner than that.
+    a, b = _rnr_pair(daemons, rnr_retry=7, min_rnr_timer=31)
+    try:
+        before_a, before_b = a.ctx.query_stats(), b.ctx.query_stats()
+        blob = random.Random(5).randbytes(5000)
+        a.mr.write(blob, len(blob), 0)
+        _send(a.qp, a.mr, 0, len(blob), 1)
+        assert _wait_stat(b.ctx, "rnr_nack_sent", before_b.get("rnr_nack_sent", 0) + 1) > \
+            before_b.get("rnr_nack_sent", 0)
+        assert a.cq.poll(1)[0] == 0  # not complete while no receive is posted
+        t0 = time.monotonic()
+        b.qp.post_recv(verbs.RecvWR(wr_id=9, sg=[verbs.SGE(b.mr.buf, 8192, b.mr.lkey)]))
+        (wc,) = a.cq.poll_blocking(1, timeout=10)
+        elapsed = time.monotonic() - t0
+        assert (wc.wr_id, wc.status, wc.opcode) == (1, IBV_WC_SUCCESS, IBV_WC_SEND)
+        (rwc,) = b.cq.poll_blocking(1, timeout=10)
+        assert (rwc.wr_id, rwc.status, rwc.byte_len) == (9, IBV_WC_SUCCESS, len(blob))
+        assert b.mr.read(len(blob), 0) == blob
+        assert elapsed < 0.4, f"completed {elapsed * 1e3:.0f} ms after the receive: the RESUME did not work"
+        after_a, after_b = a.ctx.query_stats(), b.ctx.query_stats()
+        assert after_b["rnr_resume_sent"] > before_b.get("rnr_resume_sent", 0)
+        assert after_a["rnr_resume_received"] > before_a.get("rnr_resume_received", 0)
+        assert after_a["rnr_nack_received"] > before_a.get("rnr_nack_received", 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_rnr_loses_and_reorders_nothing(daemons) -> None:
+    # Ten Sends, receives trickling in one at a time: every Send is NACKed at
+    # least once, re-sent, and still lands in order, byte-exact.
+    a, b = _rnr_pair(daemons, rnr_retry=7, min_rnr_timer=1)
+    try:
+        rng = random.Random(6)
+        blobs = [rng.randbytes(n) for n in (1, 3000, 0, 1500, 7, 20000, 64, 1471, 2, 9000)]
+        off = 0
+        for i, blob in enumerate(blobs):
+            a.mr.write(blob, len(blob), off)
+            _send(a.qp, a.mr, off, len(blob), i)
+            off += len(blob) + 1
+        got = []
+        for i in range(len(blobs)):
+            b.qp.post_recv(verbs.RecvWR(wr_id=i, sg=[verbs.SGE(b.mr.buf + i * 32768, 32768, b.mr.lkey)]))
+            (rwc,) = b.cq.poll_blocking(1, timeout=10)
+            got.append((rwc.wr_id, rwc.status, rwc.byte_len))
+        assert got == [(i, IBV_WC_SUCCESS, len(x)) for i, x in enumerate(blobs)]
+        for i, blob in enumerate(blobs):
+            assert b.mr.read(len(blob), i * 32768) == blob
+        swcs = a.cq.poll_blocking(len(blobs), timeout=10)
+        assert [(w.wr_id, w.status) for w in swcs] == [(i, IBV_WC_SUCCESS) for i in range(len(blobs))]
     finally:
         a.close()
         b.close()

@@ -19,7 +19,7 @@ def test_struct_sizes_and_offsets_are_fixed() -> None:
     assert shm.ffi.offsetof("struct uv_ring_hdr", "consumer") == 64  # own cache line
     assert shm.ffi.offsetof("struct uv_ring_hdr", "entries") == 128
     assert shm.CQE_SIZE == 40
-    assert shm.SEND_WQE_SIZE == 40 + 16 * shm.MAX_SGE
+    assert shm.SEND_WQE_SIZE == 56 + 16 * shm.MAX_SGE
     assert shm.RECV_WQE_SIZE == 16 + 16 * shm.MAX_SGE
     assert shm.ffi.offsetof("struct uv_send_wqe", "inline_data") == shm.ffi.offsetof("struct uv_send_wqe", "sg")
     assert shm.CtxLayout.size == mmap.PAGESIZE
