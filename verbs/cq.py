@@ -60,6 +60,11 @@ class WC:
         self.sl = 0
         self.dlid_path_bits = 0
 
+    @property
+    def invalidated_rkey(self) -> int:
+        """The rkey a Send with Invalidate invalidated (``IBV_WC_WITH_INV``); shares ``imm_data``, as in ``ibv_wc``."""
+        return self.imm_data
+
     def __repr__(self) -> str:
         st = shm.WcStatus(self.status).name if self.status in shm.WcStatus._value2member_map_ else self.status
         return (f"WC(wr_id={self.wr_id}, status={st}, opcode={self.opcode}, byte_len={self.byte_len}, "

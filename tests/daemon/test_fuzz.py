@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import socket
+import sys
 
 import trio
 
@@ -17,11 +18,11 @@ from udpverbs.daemon.control import Session, modify_qp
 from udpverbs.daemon.device import Device, DeviceConfig
 from udpverbs.daemon.qp import CompletionQueue, QueuePair
 from udpverbs.daemon import tables
-from udpverbs.wire import ctl, rdmap, segment, shm
+from udpverbs.wire import ctl, envelope, flow, rdmap, segment, shm
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S
 
-ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ
+ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ | A.IBV_ACCESS_REMOTE_ATOMIC
 
 
 def _setup(dev: Device) -> tuple[Session, QueuePair, list[tables.MemoryRegion]]:
@@ -59,7 +60,7 @@ def _to_rts(qp: QueuePair) -> None:
 
 
 def _message(rng: random.Random, mrs: list[tables.MemoryRegion]) -> bytes:
-    kind = rng.randrange(6)
+    kind = rng.randrange(8)
     # Mostly near-valid (so placements and responses happen), sometimes wild.
     stag = rng.choice([mrs[0].stag] * 4 + [mrs[1].stag, rng.getrandbits(32)])
     to = rng.choice([mrs[0].addr + rng.randrange(-100, 5100)] * 4 + [rng.getrandbits(64), 0])
@@ -76,6 +77,22 @@ def _message(rng: random.Random, mrs: list[tables.MemoryRegion]) -> bytes:
     elif kind == 3:  # Terminate / Immediate / Send with random bodies
         op = rng.choice([Opcode.TERMINATE, Opcode.IMMEDIATE_DATA, Opcode.SEND, Opcode.ATOMIC_REQUEST])
         seg = rdmap.encode_untagged(op, True, 1, 0, rng.randbytes(rng.randrange(4, 60)))
+    elif kind == 6:  # Modified ACK/NACK messages, valid or noise
+        body = rng.choice([flow.encode(flow.FlowMessage(rng.choice(list(flow.FlowType)), rng.getrandbits(32)))] * 3
+                          + [rng.randbytes(rng.randrange(0, 20))])
+        return envelope.encode(envelope.Kind.FLOW, 5, 7, body)
+    elif kind == 7:  # atomics at plausible words, and Sends that claim Immediate Data follows
+        if rng.random() < 0.5:
+            req = rdmap.AtomicRequest(rng.choice(list(rdmap.AtomicOp)), rng.getrandbits(32), stag, to & ~7,
+                                      rng.getrandbits(64), rng.getrandbits(64), rng.getrandbits(64),
+                                      rng.getrandbits(64))
+            seg = rdmap.encode_untagged(Opcode.ATOMIC_REQUEST, True, rng.randrange(1, 4), 0,
+                                        rdmap.encode_atomic_request(req))
+            return segment.encode(5, 7, seg)
+        op = rng.choice([Opcode.SEND, Opcode.SEND_SE_INVALIDATE])
+        seg = rdmap.encode_untagged(op, True, rng.randrange(1, 4), 0, rng.randbytes(rng.randrange(0, 50)),
+                                    0 if op == Opcode.SEND else stag)
+        return segment.encode(5, 7, seg, envelope.Flags.IMM_FOLLOWS)
     else:  # bit flips in a valid Write header, or pure noise
         seg = bytearray(rdmap.encode_tagged(Opcode.RDMA_WRITE, True, stag, to, rng.randbytes(20)))
         for _ in range(rng.randrange(1, 4)):
@@ -106,3 +123,44 @@ async def test_hostile_segments_never_raise_nor_escape_a_region() -> None:
         sess.teardown()
         dev.close()
     assert placed > 10_000  # the fuzz did reach the placement path
+
+
+async def test_a_repeated_atomic_request_is_answered_but_not_applied_twice() -> None:
+    # The link never duplicates, but RFC 7306 asks the responder to cope with a
+    # request sent again after its response was lost: answer from the record.
+    dev = Device(DeviceConfig(seed=3))
+    sess, qp, mrs = _setup(dev)
+    mr = mrs[0]
+    req = rdmap.AtomicRequest(rdmap.AtomicOp.FETCH_ADD, 77, mr.stag, mr.addr + 16, 5, 0, 0, 0)
+    msg = segment.encode(5, 7, rdmap.encode_untagged(Opcode.ATOMIC_REQUEST, True, 1, 0,
+                                                     rdmap.encode_atomic_request(req)))
+    mr.view[16:24] = (100).to_bytes(8, sys.byteorder)
+    dev._dispatch(qp.link, msg)
+    dev._dispatch(qp.link, msg)
+    assert int.from_bytes(mr.view[16:24], sys.byteorder) == 105
+    assert dev.stats["atomic_replayed"] == 1 and qp.state == S.IBV_QPS_RTS
+    replies = [rdmap.decode_atomic_response_untrusted(r.body) for r in qp.irrq]
+    assert replies == [rdmap.AtomicResponse(77, 100)] * 2
+    # A request from the future (MSN skipped) is a protocol error, not a replay.
+    bad = segment.encode(5, 7, rdmap.encode_untagged(Opcode.ATOMIC_REQUEST, True, 9, 0,
+                                                     rdmap.encode_atomic_request(req)))
+    dev._dispatch(qp.link, bad)
+    assert qp.state == S.IBV_QPS_ERR and int.from_bytes(mr.view[16:24], sys.byteorder) == 105
+    sess.teardown()
+    dev.close()
+
+
+def test_masked_atomics_follow_rfc_7306() -> None:
+    from udpverbs.daemon.qp import _apply_atomic
+
+    # Two 32-bit fields: a mask bit at 31 ends the low field, so its carry is dropped.
+    fa = rdmap.AtomicRequest(rdmap.AtomicOp.FETCH_ADD, 1, 0, 0, 0x0000_0001_0000_0001, 1 << 31, 0, 0)
+    assert _apply_atomic(fa, 0x0000_0000_FFFF_FFFF) == 0x0000_0001_0000_0000
+    plain = fa._replace(add_swap_mask=0)
+    assert _apply_atomic(plain, 0x0000_0000_FFFF_FFFF) == 0x0000_0002_0000_0000
+    assert _apply_atomic(plain._replace(add_swap_data=1), (1 << 64) - 1) == 0  # wraps
+    swap = rdmap.AtomicRequest(rdmap.AtomicOp.SWAP, 1, 0, 0, 0xAAAA, 0x00FF, 0, 0)
+    assert _apply_atomic(swap, 0x1234) == 0x12AA
+    cas = rdmap.AtomicRequest(rdmap.AtomicOp.CMP_SWAP, 1, 0, 0, 0xBEEF, 0xFFFF, 0x0034, 0x00FF)
+    assert _apply_atomic(cas, 0x1234) == 0xBEEF  # compared on the low byte only
+    assert _apply_atomic(cas, 0x1235) == 0x1235
