@@ -14,13 +14,29 @@ into DDP segments that fit the link (``link.send_space()`` bounds how many
 are queued, so a 1 GiB Write holds no more memory than the link's window).
 A Write (RFC 5040 §5.1) is tagged segments with the peer's STag and the
 tagged offset; Write with Immediate adds RFC 7306's Immediate Data message,
-which consumes a receive WQE at the target.  A Send (§5.3) is untagged
-segments on queue 0 (MSN per message, MO per segment) that the target
-scatters into the next posted receive, in MSN order; with no receive posted
-the target answers with a Terminate (no RNR retry yet: that is the Modified
-ACK/NACK layer's job).  A Read (§5.2) is one Read
-Request on untagged queue 1 naming a *sink STag* private to this ORRQ entry
-(the sink is the requester's SGE list, so several SGEs work).
+which consumes a receive WQE at the target.  A Send (§5.3, with Invalidate
+and/or Solicited Event) is untagged segments on queue 0 (MSN per message, MO
+per segment) that the target scatters into the next posted receive, in MSN
+order; Send with Immediate is a Send followed by Immediate Data, the envelope
+flag IMM_FOLLOWS telling the target both fill one receive.  A Read (§5.2) is
+one Read Request on untagged queue 1 naming a *sink STag* private to this
+ORRQ entry (the sink is the requester's SGE list, so several SGEs work).  An
+atomic (RFC 7306 §5) is one Atomic Request on queue 3; it shares the ORRQ
+and the ORD/IRD budget with Reads, and its response lands the old value in
+the requester's 8-byte SGE in host byte order.
+
+Modified ACK/NACK (RHiNET/PM, ``wire/flow.py``) guards queue 0, the only
+queue that needs a posted receive.  The requester keeps every queue-0 message
+(``q0``: a reference to the WR's SGEs, not a copy) until the target ACKs it;
+a Send WR completes on that ACK, not on the link's, because the target may
+have NACKed it.  A target without a posted receive NACKs the MSN with its
+``min_rnr_timer`` as back-off hint and drops every later queue-0 segment until
+that MSN comes again from MO 0; the requester rewinds to it, waits a back-off
+that doubles per try (or until the target's RESUME, sent as soon as a receive
+is posted), re-sends, and starts nothing new until the NACKed message is
+accepted.  ``rnr_retry`` NACKs (7 = forever) end the WR with
+IBV_WC_RNR_RETRY_EXC_ERR.  Tagged Writes and Reads are never NACKed: their
+placement needs no receive, and verbs orders only their completions.
 
 Completions keep SQ order (verbs RC semantics): ``outstanding`` is the
 in-flight WRs in posting order; a Write is complete when the link has
