@@ -777,7 +777,8 @@ class QueuePair:
 
     # -- Modified ACK/NACK (wire/flow.py) -------------------------------------
     def _send_flow(self, ftype: int, msn: int, backoff_us: int = 0) -> None:
-        assert self.link is not None
+        if self.link is None or not self.link.up:
+            return  # the link is gone: the QP is failing anyway
         self.link.send(envelope.encode(Kind.FLOW, self.dest_qpn, self.qpn,
                                        flow.encode(FlowMessage(ftype, msn & _U32, backoff_us))))
 
