@@ -34,10 +34,10 @@ import trio
 from ..wire import ctl, shm
 from ..wire.ctl import Op
 from ..wire.errors import WireError
-from ..wire.shm import AccessFlags, QPAttrMask as M, QPState as S, QPType
+from ..wire.shm import AccessFlags, QPAttrMask as M, QPState as S, QPType, SrqAttrMask
 from . import tables
 from .device import Device
-from .qp import CompChannel, CompletionQueue, QueuePair
+from .qp import CompChannel, CompletionQueue, QueuePair, SharedReceiveQueue
 from .tables import TableError
 
 log = logging.getLogger("udpverbs.daemon")
@@ -69,6 +69,7 @@ class Session:
         self.cqs: set[int] = set()
         self.channels: set[int] = set()
         self.qps: set[int] = set()
+        self.srqs: set[int] = set()
         self.listeners: set[int] = set()
 
     # -- helpers the data path calls ---------------------------------------------
@@ -263,8 +264,13 @@ class Session:
             "max_send_sge": max(1, req.max_send_sge), "max_recv_sge": max(1, req.max_recv_sge),
             "max_inline_data": req.max_inline_data,
         }
+        srq = d.srqs.get(req.srq_handle, self) if req.srq_handle else None
+        if srq is not None and srq.pd is not pd:
+            raise TableError(errno.EINVAL, "the SRQ belongs to another PD")
         qpn = d.alloc_qpn()
-        qp = QueuePair(d, qpn, self, pd, scq, rcq, caps, bool(req.sq_sig_all))
+        qp = QueuePair(d, qpn, self, pd, scq, rcq, caps, bool(req.sq_sig_all), srq)
+        if srq is not None:
+            srq.users += 1
         d.qps[qpn] = qp
         pd.qps.add(qpn)
         scq.users += 1
@@ -313,8 +319,50 @@ class Session:
         qp.pd.qps.discard(qp.qpn)
         qp.send_cq.users -= 1
         qp.recv_cq.users -= 1
+        if qp.srq is not None:
+            qp.srq.users -= 1
         qp.session.qps.discard(qp.qpn)
         qp.close()
+
+    def op_create_srq(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        d = self.device
+        pd = d.pds.get(req.pd_handle, self)
+        if not (1 <= req.max_wr <= d.config.max_qp_wr and 1 <= req.max_sge <= MAX_SGE):
+            raise TableError(errno.EINVAL, f"SRQ needs 1..{d.config.max_qp_wr} WRs and 1..{MAX_SGE} SGEs")
+        srq = SharedReceiveQueue(0, self, pd, req.max_wr, req.max_sge, req.srq_limit)
+        try:
+            srq.handle = d.srqs.add(srq)
+        except TableError:
+            srq.close()
+            raise
+        self.srqs.add(srq.handle)
+        return ctl.encode_reply(Op.CREATE_SRQ, srq_handle=srq.handle, max_wr=srq.entries, max_sge=srq.max_sge), \
+            [srq.fd]
+
+    def op_modify_srq(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        srq = self.device.srqs.get(req.srq_handle, self)
+        if req.attr_mask & ~int(SrqAttrMask.IBV_SRQ_LIMIT) or req.srq_limit > srq.entries:
+            # Resizing is not supported (the app maps the ring at a fixed size).
+            raise TableError(errno.EINVAL, "only IBV_SRQ_LIMIT can change, up to the SRQ's size")
+        srq.limit = req.srq_limit
+        self.device.wake()
+        return ctl.encode_reply(Op.MODIFY_SRQ), []
+
+    def op_query_srq(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        srq = self.device.srqs.get(req.srq_handle, self)
+        return ctl.encode_reply(Op.QUERY_SRQ, max_wr=srq.entries, max_sge=srq.max_sge, srq_limit=srq.limit), []
+
+    def op_destroy_srq(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        srq = self.device.srqs.get(req.srq_handle, self)
+        if srq.users:
+            raise TableError(errno.EBUSY, "SRQ still used by QPs")
+        self._destroy_srq(srq)
+        return ctl.encode_reply(Op.DESTROY_SRQ), []
+
+    def _destroy_srq(self, srq: SharedReceiveQueue) -> None:
+        self.device.srqs.pop(srq.handle)
+        self.srqs.discard(srq.handle)
+        srq.close()
 
     # CM operations live in the connection manager (cm.py); they may block.
     async def handle_async(self, op: Op, req: Any) -> bytes | None:
@@ -337,6 +385,10 @@ class Session:
             qp = d.qps.get(qpn)
             if qp is not None:
                 self.destroy_qp(qp)
+        for h in list(self.srqs):
+            srq = d.srqs.find(h)
+            if srq is not None:
+                self._destroy_srq(srq)
         for h in list(self.cqs):
             cq = d.cqs.find(h)
             if cq is not None:

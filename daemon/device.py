@@ -137,6 +137,7 @@ class Device:
         self.mrs = tables.Handles(config.max_mr)
         self.cqs = tables.Handles(config.max_cq)
         self.channels = tables.Handles(config.max_cq)
+        self.srqs = tables.Handles(config.max_qp)
         self.qps: dict[int, QueuePair] = {}
         self._next_qpn = 1
         self.links: dict[tuple[str, int], PeerLink] = {}

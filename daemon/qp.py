@@ -219,6 +219,52 @@ def _signal(fd: int) -> None:
         pass
 
 
+class SharedReceiveQueue:
+    """An SRQ (verbs ``ibv_srq``): one ring of receive WQEs that many QPs take from.
+
+    ``limit`` > 0 arms IBV_EVENT_SRQ_LIMIT_REACHED: raised once when fewer
+    WQEs than that remain, then disarmed (verbs semantics).
+    """
+
+    def __init__(self, handle: int, session: Any, pd: tables.ProtectionDomain, max_wr: int, max_sge: int,
+                 limit: int) -> None:
+        self.handle = handle
+        self.session = session
+        self.pd = pd
+        self.entries = shm.round_entries(max_wr)
+        self.max_sge = max_sge
+        self.limit = limit
+        self.fd, self.mm = shm.new_segment(shm.page_round(shm.ring_bytes(self.entries, shm.RECV_WQE_SIZE)), "uv-srq")
+        self.ring = shm.Ring(self.mm, 0, "struct uv_recv_wqe", self.entries, init=True)
+        self.users = 0  # QPs that take from it
+
+    def took_one(self) -> None:
+        if self.limit:
+            try:
+                left = self.ring.available()
+            except shm.RingError:
+                left = 0
+            if left < self.limit:
+                self.limit = 0
+                self.session.async_event(EventType.IBV_EVENT_SRQ_LIMIT_REACHED, self.handle)
+
+    def close(self) -> None:
+        self.fd = _release_segment(self.fd, self.mm, self.ring)
+
+
+def _release_segment(fd: int, mm: Any, *rings: shm.Ring) -> int:
+    """Drop the rings' views, close the memfd and unmap (a view still alive defers that to GC); returns -1."""
+    for r in rings:
+        r.release()
+    if fd >= 0:
+        os.close(fd)
+    try:
+        mm.close()
+    except BufferError:
+        pass
+    return -1
+
+
 class OutWR:
     """A send WR between being taken from the SQ and its completion."""
 
@@ -373,7 +419,7 @@ class QueuePair:
 
     def __init__(self, device: "Device", qpn: int, session: Any, pd: tables.ProtectionDomain,
                  send_cq: CompletionQueue, recv_cq: CompletionQueue, caps: dict[str, int],
-                 sq_sig_all: bool) -> None:
+                 sq_sig_all: bool, srq: SharedReceiveQueue | None = None) -> None:
         self.device = device
         self.qpn = qpn
         self.session = session
@@ -387,6 +433,10 @@ class QueuePair:
         self.fd, self.mm = shm.new_segment(layout.size, "uv-qp")
         self.sq = shm.Ring(self.mm, layout.sq_offset, "struct uv_send_wqe", layout.sq_entries, init=True)
         self.rq = shm.Ring(self.mm, layout.rq_offset, "struct uv_recv_wqe", layout.rq_entries, init=True)
+        self.srq = srq
+        # Where receives come from: the QP's own RQ, or its SRQ (then the RQ stays empty).
+        self.recv_ring = srq.ring if srq is not None else self.rq
+        self.max_recv_sge = srq.max_sge if srq is not None else caps["max_recv_sge"]
         self.state = S.IBV_QPS_RESET
         self.attrs: dict[str, Any] = {
             "qp_access_flags": 0, "pkey_index": 0, "port_num": 1, "path_mtu": 5, "timeout": 14,
@@ -475,15 +525,7 @@ class QueuePair:
         return any(r.view is view for r in self.irrq)
 
     def close(self) -> None:
-        self.sq.release()
-        self.rq.release()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
+        self.fd = _release_segment(self.fd, self.mm, self.sq, self.rq)
 
     # -- completions --------------------------------------------------------
     def _complete(self, wr: OutWR) -> None:
@@ -790,7 +832,7 @@ class QueuePair:
             self._send_flow(FlowType.ACK, self.rx_msn)
         if self.rx_rnr and not self.rx_resume_sent:
             try:
-                posted = self.rq.available()
+                posted = self.recv_ring.available()
             except shm.RingError:
                 posted = 0
             if posted:
@@ -959,8 +1001,9 @@ class QueuePair:
             self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, seglen,
                             layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
             return False
+        rq = self.recv_ring
         try:
-            have = self.rq.available()
+            have = rq.available()
         except shm.RingError:
             have = 0
         if not have:
@@ -973,12 +1016,14 @@ class QueuePair:
             code = int(self.attrs["min_rnr_timer"])
             self._send_flow(FlowType.RNR_NACK, self.rx_msn, RNR_TIMER_US[code if 0 <= code < 32 else 0])
             return False
-        w = self.rq.peek()
+        w = rq.peek()
         n = int(w.num_sge)
-        gather = self._resolve(w, n, _LOCAL_WRITE) if n <= self.caps["max_recv_sge"] else None
+        gather = self._resolve(w, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
         self.rx_recv = (int(w.wr_id), gather)
         self.rx_placed = 0
-        self.rq.pop()
+        rq.pop()
+        if self.srq is not None:
+            self.srq.took_one()
         return True
 
     def _finish_receive(self, status: int, opcode: int, byte_len: int, imm: int = 0, flags: int = 0,

@@ -18,10 +18,11 @@ from .device import GID, AsyncEvent, Context, DeviceAttr, PortAttr, get_device_l
 from .errors import PyverbsRDMAError, PyverbsUserError, UserError, VerbsError
 from .pd import MR, PD
 from .qp import QP, SGE, AHAttr, GlobalRoute, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR
+from .srq import SRQ, SrqAttr, SrqInitAttr
 
 __all__ = [
     "AHAttr", "AsyncEvent", "CMListener", "CQ", "CompChannel", "ConnParam", "ConnRequest", "Context",
     "DeviceAttr", "GID", "GlobalRoute", "MR", "PD", "PortAttr", "PyverbsRDMAError", "PyverbsUserError", "QP",
-    "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "SGE", "SendWR", "UserError", "VerbsError", "WC", "cm",
+    "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "SGE", "SRQ", "SendWR", "SrqAttr", "SrqInitAttr", "UserError", "VerbsError", "WC", "cm",
     "connect", "connect_async", "disconnect", "enums", "get_device_list",
 ]

@@ -16,13 +16,14 @@ from ..wire.shm import (
     QPState,
     QPType,
     SendFlags,
+    SrqAttrMask,
     WcFlags,
     WcOpcode,
     WcStatus,
     WrOpcode,
 )
 
-_ENUMS = (AccessFlags, AtomicCap, EventType, QPAttrMask, QPState, QPType, SendFlags, WcFlags, WcOpcode, WcStatus, WrOpcode)
+_ENUMS = (AccessFlags, AtomicCap, EventType, QPAttrMask, QPState, QPType, SendFlags, SrqAttrMask, WcFlags, WcOpcode, WcStatus, WrOpcode)
 
 for _e in _ENUMS:
     for _m in _e:

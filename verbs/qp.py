@@ -63,9 +63,7 @@ class QPInitAttr:
         self.qp_context = qp_context
         self.send_cq = send_cq or scq
         self.recv_cq = recv_cq or rcq or self.send_cq
-        if srq is not None:
-            raise UserError("SRQs are not supported")
-        self.srq = None
+        self.srq = srq
         self.cap = cap or QPCap()
         self.sq_sig_all = sq_sig_all
 
@@ -211,6 +209,35 @@ class RecvWR:
         self.next_wr = next_wr
 
 
+def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> None:
+    """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ) and ring the doorbell once."""
+    posted = 0
+    try:
+        while wr is not None:
+            n = wr.num_sge
+            if n > len(wr.sg):
+                raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
+            if n > max_sge:
+                raise VerbsError(f"num_sge {n} > max_recv_sge {max_sge}", errno.EINVAL)
+            if rq.free() == 0:
+                raise VerbsError("receive queue full", errno.ENOMEM)
+            e = rq.next_slot()
+            e.wr_id = wr.wr_id & _U64
+            e.num_sge = n
+            for i in range(n):
+                s = wr.sg[i]
+                e.sg[i].addr = s.addr
+                e.sg[i].length = s.length
+                e.sg[i].lkey = s.lkey
+            rq.push()
+            posted += 1
+            wr = wr.next_wr
+    finally:
+        if posted:
+            rq.publish()
+            ctx.ring_doorbell()
+
+
 class QP(Resource):
     """An RC queue pair (``QP(pd, init_attr, qp_attr=None)``).
 
@@ -228,6 +255,7 @@ class QP(Resource):
             Op.CREATE_QP, pd_handle=pd.handle, send_cq=scq.handle, recv_cq=rcq.handle, qp_type=init_attr.qp_type,
             max_send_wr=cap.max_send_wr, max_recv_wr=cap.max_recv_wr, max_send_sge=cap.max_send_sge,
             max_recv_sge=cap.max_recv_sge, max_inline_data=cap.max_inline_data, sq_sig_all=int(init_attr.sq_sig_all),
+            srq_handle=init_attr.srq.handle if init_attr.srq is not None else 0,
         )
         if len(fds) != 1:
             _close_all(fds)
@@ -248,6 +276,7 @@ class QP(Resource):
         self.cap = QPCap(rep.max_send_wr, rep.max_recv_wr, rep.max_send_sge, rep.max_recv_sge,
                          rep.max_inline_data)
         self.sq_sig_all = init_attr.sq_sig_all
+        self.srq = init_attr.srq
         pd._adopt(self)
         scq._qps.append(self)
         if rcq is not scq:
@@ -362,38 +391,16 @@ class QP(Resource):
         """Post a chain of receive WRs.  Never blocks.
 
         Raises:
-            VerbsError: EINVAL (QP in RESET, too many SGEs), ENOMEM (queue full).
+            VerbsError: EINVAL (QP in RESET, too many SGEs, the QP takes its
+                receives from an SRQ), ENOMEM (queue full).
             UserError: ``num_sge`` larger than the SGE list.
         """
         self._check_open()
         if self.qp_state == S.IBV_QPS_RESET:
             raise VerbsError("post_recv on a QP in RESET", errno.EINVAL)
-        rq = self._rq
-        posted = 0
-        try:
-            while wr is not None:
-                n = wr.num_sge
-                if n > len(wr.sg):
-                    raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
-                if n > self.cap.max_recv_sge:
-                    raise VerbsError(f"num_sge {n} > max_recv_sge {self.cap.max_recv_sge}", errno.EINVAL)
-                if rq.free() == 0:
-                    raise VerbsError("receive queue full", errno.ENOMEM)
-                e = rq.next_slot()
-                e.wr_id = wr.wr_id & _U64
-                e.num_sge = n
-                for i in range(n):
-                    s = wr.sg[i]
-                    e.sg[i].addr = s.addr
-                    e.sg[i].length = s.length
-                    e.sg[i].lkey = s.lkey
-                rq.push()
-                posted += 1
-                wr = wr.next_wr
-        finally:
-            if posted:
-                rq.publish()
-                self.ctx.ring_doorbell()
+        if self.srq is not None:
+            raise VerbsError("this QP receives from its SRQ: post to the SRQ", errno.EINVAL)
+        post_recv_ring(self.ctx, self._rq, wr, self.cap.max_recv_sge)
 
     def _release(self) -> None:
         for cq in (self.scq, self.rcq):

@@ -37,7 +37,7 @@ from typing import Any
 
 from .errors import WireError
 
-CTL_VERSION = 1
+CTL_VERSION = 2  # 2: CREATE_QP names an SRQ; SRQ and statistics requests
 MAX_CTL_MESSAGE = 2048  #: bytes; the largest is a CM message with 512 B private data
 MAX_PRIVATE_DATA = 512  #: rdma_cm's limit for iWARP (MPA, RFC 5044 §7.1)
 MAX_FDS = 4
@@ -62,6 +62,10 @@ class Op(enum.IntEnum):
     QUERY_QP = 12
     DESTROY_QP = 13
     QUERY_STATS = 14
+    CREATE_SRQ = 15
+    MODIFY_SRQ = 16
+    QUERY_SRQ = 17
+    DESTROY_SRQ = 18
     CM_LISTEN = 20
     CM_GET_REQUEST = 21
     CM_ACCEPT = 22
@@ -129,14 +133,18 @@ REQUESTS: dict[Op, Layout] = {
     Op.CREATE_CQ: Layout("CreateCq", "III", "cqe channel_handle comp_vector"),
     Op.DESTROY_CQ: Layout("DestroyCq", "I", "cq_handle"),
     Op.CREATE_QP: Layout(
-        "CreateQp", "IIIIIIIIII",
+        "CreateQp", "IIIIIIIIIII",
         "pd_handle send_cq recv_cq qp_type max_send_wr max_recv_wr max_send_sge "
-        "max_recv_sge max_inline_data sq_sig_all",
+        "max_recv_sge max_inline_data sq_sig_all srq_handle",
     ),
     Op.MODIFY_QP: Layout("ModifyQp", "II" + _QP_ATTR_FMT, "qp_num attr_mask " + _QP_ATTR_FIELDS),
     Op.QUERY_QP: Layout("QueryQp", "I", "qp_num"),
     Op.DESTROY_QP: Layout("DestroyQp", "I", "qp_num"),
     Op.QUERY_STATS: _E,
+    Op.CREATE_SRQ: Layout("CreateSrq", "IIII", "pd_handle max_wr max_sge srq_limit"),
+    Op.MODIFY_SRQ: Layout("ModifySrq", "IIII", "srq_handle attr_mask max_wr srq_limit"),
+    Op.QUERY_SRQ: Layout("QuerySrq", "I", "srq_handle"),
+    Op.DESTROY_SRQ: Layout("DestroySrq", "I", "srq_handle"),
     Op.CM_LISTEN: Layout("CmListen", "HI", "port backlog"),
     Op.CM_GET_REQUEST: Layout("CmGetRequest", "II", "listener_handle timeout_ms"),
     Op.CM_ACCEPT: Layout("CmAccept", "IIII", "conn_id qp_num ord ird", tail=True),
@@ -178,6 +186,10 @@ REPLIES: dict[Op, Layout] = {
     Op.DESTROY_QP: _E,
     # The device's counters (``rdma statistic`` of a real RNIC): "name value" lines, ASCII.
     Op.QUERY_STATS: Layout("StatsRep", "I", "count", tail=True),
+    Op.CREATE_SRQ: Layout("CreateSrqRep", "III", "srq_handle max_wr max_sge"),
+    Op.MODIFY_SRQ: _E,
+    Op.QUERY_SRQ: Layout("QuerySrqRep", "III", "max_wr max_sge srq_limit"),
+    Op.DESTROY_SRQ: _E,
     Op.CM_LISTEN: Layout("CmListenRep", "I", "listener_handle"),
     Op.CM_GET_REQUEST: Layout(
         "CmRequest", "IIII16sH", "conn_id remote_qpn ord ird gid udp_port", tail=True

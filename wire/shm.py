@@ -121,6 +121,13 @@ class WcFlags(enum.IntFlag):
     IBV_WC_WITH_INV = 8
 
 
+class SrqAttrMask(enum.IntFlag):
+    """``enum ibv_srq_attr_mask``."""
+
+    IBV_SRQ_MAX_WR = 1
+    IBV_SRQ_LIMIT = 2
+
+
 class AtomicCap(enum.IntEnum):
     """``enum ibv_atomic_cap``: our atomics are atomic among all QPs of a daemon (HCA)."""
 
@@ -208,6 +215,7 @@ class EventType(enum.IntEnum):
     IBV_EVENT_DEVICE_FATAL = 8
     IBV_EVENT_PORT_ACTIVE = 9
     IBV_EVENT_PORT_ERR = 10
+    IBV_EVENT_SRQ_LIMIT_REACHED = 15
     IBV_EVENT_QP_LAST_WQE_REACHED = 16
 
 
