@@ -118,12 +118,15 @@ class ControlChannel:
 
         Raises: ControlError if the peer reports an error or is at another step.
         """
-        obj = self.recv(timeout_s)
-        if obj.get("op") == "error":
-            raise ControlError(f"peer failed: {obj.get('message', '?')}")
-        if obj.get("op") != op:
-            raise ControlError(f"expected {op!r} from the peer, got {obj.get('op')!r}")
-        return obj
+        return _step(self.recv(timeout_s), op)
+
+    def poll_step(self, op: str) -> dict[str, Any] | None:
+        """Return the peer's object for step ``op`` if it has arrived, else None (never waits).
+
+        Raises: ControlError as :meth:`expect`.
+        """
+        obj = self.poll(0.0)
+        return None if obj is None else _step(obj, op)
 
     def exchange(self, obj: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send ``obj`` and receive the peer's object for the same step.
@@ -152,6 +155,14 @@ class ControlChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _step(obj: dict[str, Any], op: str) -> dict[str, Any]:
+    if obj.get("op") == "error":
+        raise ControlError(f"peer failed: {obj.get('message', '?')}")
+    if obj.get("op") != op:
+        raise ControlError(f"expected {op!r} from the peer, got {obj.get('op')!r}")
+    return obj
 
 
 def listen(host: str, port: int) -> socket.socket:

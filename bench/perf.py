@@ -15,8 +15,9 @@ each step bracketed by :meth:`ControlChannel.exchange` (the barrier):
    exchange QPN, rkey, buffer address and daemon address, as perftest does
    out of band; with a baseline, each side opens a UDP socket on the address
    the control connection uses and the two exchange ports;
-2. for every size: the udpverbs run (:mod:`udpverbs.bench.verbs_perf`), then
-   the baseline run (:mod:`udpverbs.bench.rawudp`) between the same two
+2. for every size: the udpverbs run (:mod:`udpverbs.bench.verbs_perf`; it
+   ends with the server checking the client's count of completed operations
+   against what arrived), then the baseline run (:mod:`udpverbs.bench.rawudp`) between the same two
    processes; the client computes the statistics, prints the row, and sends
    it to the server, which prints it too (a perftest server also reports);
 3. ``bye``.
@@ -41,7 +42,9 @@ from .report import RESULT_LINE, Row, Stats, banner, columns, format_row, row_fr
 from .stats import bandwidth_stats, latency_stats
 
 #: Version of the control conversation; both sides must speak the same.
-PROTOCOL_VERSION = 1
+#: 2: a udpverbs run ends with ``done`` both ways, the client's carrying its
+#: count of completed operations for the server to check.
+PROTOCOL_VERSION = 2
 #: The longest a side waits for its peer at a barrier outside a run.
 STEP_TIMEOUT_S = 60.0
 #: The longest a side waits for its peer to finish one size's run (beyond ``-D``).
@@ -58,6 +61,8 @@ BW_VOLUME_BYTES = 128 << 20
 MIN_DEFAULT_ITERS = 5
 #: Bandwidth tests signal one WR in this many (perftest's cq_mod).
 CQ_MOD = 16
+#: The longest ``--rnr-delay-us`` (1 s): a run must stay far from the stall timeout.
+MAX_RNR_DELAY_US = 1_000_000
 
 
 class PerfUsageError(Exception):
@@ -131,6 +136,9 @@ class PerfParams:
     max_size: int = ALL_SIZES[-1]
     #: without ``-n``: the most bytes one size moves (None: the test's default)
     max_volume: int | None = None
+    #: send_lat's receiver-not-ready path: the server posts each receive this
+    #: many microseconds after its reply (0: receives stay pre-posted)
+    rnr_delay_us: int = 0
 
     @property
     def spec(self) -> TestSpec:
@@ -179,7 +187,20 @@ class PerfParams:
             raise PerfUsageError("write_lat polls the landing buffer, not a CQ: -e does not apply (as in perftest)")
         if self.baseline_only and self.baseline is None:
             raise PerfUsageError("--baseline-only needs --baseline")
+        if not 0 <= self.rnr_delay_us <= MAX_RNR_DELAY_US:
+            raise PerfUsageError(f"--rnr-delay-us must be between 0 (off) and {MAX_RNR_DELAY_US} microseconds")
+        if self.rnr_delay_us and self.test != "send_lat":
+            why = f"{self.test} has no receives" if spec.is_latency else "bandwidth tests keep their receives posted"
+            raise PerfUsageError(f"--rnr-delay-us drives send_lat's receiver-not-ready path: it does not apply to "
+                                 f"{self.test} ({why})")
         return self
+
+    def title(self) -> str:
+        """Return the banner's title line (an RNR run says its latencies include the delay)."""
+        title = self.spec.title
+        if self.rnr_delay_us:
+            title += f" (RNR path: includes the server's {self.rnr_delay_us} usec receive delay)"
+        return title
 
     def sizes(self) -> list[int]:
         """Return the message sizes to run, in order."""
@@ -242,7 +263,7 @@ class PerfParams:
 _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "test": (str,), "size": (int,), "all_sizes": (bool,), "iters": (int,), "duration_s": (int, float),
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
-    "use_events": (bool,), "max_size": (int,), "max_volume": (int,),
+    "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
 }  # fmt: skip
 _OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume"}
 
@@ -316,7 +337,7 @@ class Session:
         elif self._udp is not None:
             local = "UDP {}:{}".format(*self._udp.getsockname())
             remote = "UDP {}:{}".format(*self._udp.getpeername())
-        for line in banner(p.spec.title, settings, local, remote):
+        for line in banner(p.title(), settings, local, remote):
             self._print(line)
         self._print(columns(p.spec.is_latency, p.baseline is not None and not p.baseline_only))
 
@@ -360,7 +381,7 @@ class Session:
             if self._udp is not None:
                 base = self._run_raw(size, iters, run=k + 1)
             if self.is_client:
-                row = Row(p.test, size, ours, base, p.baseline or "raw-udp")
+                row = Row(p.test, size, ours, base, p.baseline or "raw-udp", p.rnr_delay_us)
                 self.ctrl.send({"op": "row", "row": row_json(row)})
             else:
                 msg = self.ctrl.expect("row", STEP_TIMEOUT_S)
@@ -393,14 +414,7 @@ class Session:
         self._udp = sock
 
     def _stop_when_done(self) -> bool:
-        msg = self.ctrl.poll(0.0)
-        if msg is None:
-            return False
-        if msg.get("op") == "done":
-            return True
-        if msg.get("op") == "error":
-            raise ControlError(f"peer failed: {msg.get('message', '?')}")
-        raise ControlError(f"expected 'done' from the client, got {msg.get('op')!r}")
+        return self.ctrl.poll_step("done") is not None
 
     def _request_size(self) -> int | None:
         # A Read is a small request answered by the message: the baseline's
@@ -416,10 +430,13 @@ class Session:
         if not self.is_client:
             if p.spec.is_latency:
                 rawudp.latency_server(
-                    sock, size, p.mtu, stop=self._stop_when_done, run=run, request_size=self._request_size()
+                    sock, size, p.mtu, stop=self._stop_when_done, run=run, request_size=self._request_size(),
+                    pause_s=p.rnr_delay_us / 1e6,
                 )
             else:
-                rawudp.bandwidth_server(sock, size, p.mtu, stop=self._stop_when_done, run=run)
+                rawudp.bandwidth_server(
+                    sock, size, p.mtu, stop=self._stop_when_done, run=run, answer=p.spec.verb == "atomic"
+                )
             return None
         if p.spec.is_latency:
             samples = rawudp.latency_client(
@@ -428,7 +445,12 @@ class Session:
             )
             self.ctrl.send({"op": "done"})
             return latency_stats(samples)
-        start, completions = rawudp.bandwidth_client(sock, size, p.mtu, iters=iters, duration_s=p.duration_s, run=run)
+        # An atomic is a small request answered by the word's old value, tx_depth of them in flight.
+        answer = p.spec.verb == "atomic"
+        start, completions = rawudp.bandwidth_client(
+            sock, size, p.mtu, iters=iters, duration_s=p.duration_s, run=run, answer=answer,
+            window=min(p.depth(), rawudp.default_window(sock)) if answer else None,
+        )  # fmt: skip
         self.ctrl.send({"op": "done"})
         return bandwidth_stats(size, start, completions, p.depth())
 

@@ -21,13 +21,20 @@ call per datagram and no ``poll``.
   longer than one window goes in bursts of ``window`` datagrams, each
   acknowledged by the receiver before the next (the reply acknowledges the
   last burst), because a loopback receiver that is not paced drops 3-40% of
-  a long burst.
+  a long burst.  Reads and atomics are the same exchange with a small
+  request (whole round trips); send_lat's RNR path (``pause_s``) has the
+  server leave its socket unread for that long after each reply, as the
+  udpverbs server leaves its QP without a receive.
 * **Bandwidth** (:func:`bandwidth_client` / :func:`bandwidth_server`): a
   windowed stream.  The sender keeps at most ``window`` datagrams
   unacknowledged; the receiver acknowledges cumulatively every
   ``window // 4`` datagrams and at the end.  A message is complete when the
   acknowledgement covering its last datagram arrives, the moment an RDMA
   Write completes in udpverbs.
+  With ``answer=True`` (atomic_bw's pattern) every message is one datagram
+  and the receiver acknowledges each one with an answer of the same size
+  (a Fetch-and-Add's old value): a request completes when its answer
+  arrives.
 
 Losses are repaired go-back-N after a timeout (loopback neither reorders
 nor, with the window, usually drops); a peer silent for ``GIVE_UP_S``
@@ -133,9 +140,17 @@ class _Endpoint:
         HDR.pack_into(self.hdr, 0, KIND_DATA, flags, self.run, seq, index, total)
         self.sock.sendmsg([self.hdr, payload])
 
-    def send_ack(self, seq: int, upto: int) -> None:
+    def send_ack(self, seq: int, upto: int, payload: memoryview | None = None) -> None:
         HDR.pack_into(self.ack, 0, KIND_ACK, 0, self.run, seq, upto, 0)
-        self.sock.send(self.ack)
+        if payload is None:
+            self.sock.send(self.ack)
+        else:
+            self.sock.sendmsg([self.ack, payload])
+
+    def one_datagram(self) -> None:
+        """Check that a message fits one datagram (answered streams)."""
+        if self.total != 1:
+            raise BaselineError(f"a {self.size} B message answered one by one must fit one datagram")
 
     def recv(self, into: memoryview) -> tuple[int, int, int, int, int] | None:
         """Receive one datagram of this run; None on timeout.
@@ -307,12 +322,14 @@ def latency_server(
     run: int = 0,
     window: int | None = None,
     request_size: int | None = None,
+    pause_s: float = 0.0,
 ) -> int:
     """Serve the ping-pong: answer every request with a message of ``size``.
 
     Takes: the UDP socket connected to the client's; size, MTU, run, window
     and request size as the client; ``stop``, polled when the client is
-    quiet, True once the client says it is done.
+    quiet, True once the client says it is done; ``pause_s``, how long to
+    leave the socket unread after each answer (send_lat's RNR delay).
     Returns: the number of messages answered.
     """
     req = size if request_size is None else request_size
@@ -321,6 +338,8 @@ def latency_server(
     seq = 0
     while ep.recv_msg(seq, stop):
         ep.send_msg(seq)
+        if pause_s > 0:
+            time.sleep(pause_s)
         seq += 1
     return seq
 
@@ -334,15 +353,21 @@ def bandwidth_client(
     duration_s: float | None = None,
     run: int = 0,
     window: int | None = None,
+    answer: bool = False,
 ) -> tuple[int, list[int]]:
     """Stream messages to the server with a window of unacknowledged datagrams.
 
     Takes: as :func:`latency_client`; ``iters`` messages, or as many as fit
-    in ``duration_s``.
+    in ``duration_s``; ``answer``: the server answers every one-datagram
+    message with as many bytes (atomic_bw), received here.
     Returns: (time of the first send, completion time of every message), ns.
-    Raises: BaselineError if the server stays silent.
+    Raises: BaselineError if the server stays silent, or with ``answer`` a
+    message needs more than one datagram.
     """
     ep = _Endpoint(sock, size, mtu, run, window or default_window(sock))
+    if answer:
+        ep.one_datagram()
+    into = ep.rx if answer else ep.rx[:0]
     _set_rcv_timeout(sock, CLIENT_RTO_S)
     dpm = ep.total
     w = ep.window
@@ -367,7 +392,7 @@ def bandwidth_client(
                     flags = FLAG_FIN
             ep.send_data(nxt & 0xFFFFFFFF, index, dpm, flags, ep.piece(ep.tx, index))
             nxt += 1
-        got = ep.recv(ep.rx[:0])
+        got = ep.recv(into)
         if got is None:
             ep.check_alive(progress, "waiting for stream ACKs")
             nxt = acked  # go-back-N
@@ -390,16 +415,22 @@ def bandwidth_server(
     stop: Callable[[], bool],
     run: int = 0,
     window: int | None = None,
+    answer: bool = False,
 ) -> int:
     """Receive the stream, placing each datagram in the message buffer, and ACK.
 
-    Takes: as :func:`latency_server`.
+    Takes: as :func:`latency_server`; ``answer``: as :func:`bandwidth_client`
+    (each ACK then carries ``size`` bytes).
     Returns: the number of datagrams received in order.
     """
     ep = _Endpoint(sock, size, mtu, run, window or default_window(sock))
+    payload = None
+    if answer:
+        ep.one_datagram()
+        payload = ep.tx
     _set_rcv_timeout(sock, SERVER_POLL_S)
     dpm = ep.total
-    every = max(1, ep.window // 4)
+    every = 1 if answer else max(1, ep.window // 4)
     expected = 0
     while True:
         got = ep.recv(ep.piece(ep.rx, expected % dpm))
@@ -413,6 +444,6 @@ def bandwidth_server(
         if seq == expected & 0xFFFFFFFF:
             expected += 1
             if expected % every == 0 or flags & FLAG_FIN:
-                ep.send_ack(0, expected & 0xFFFFFFFF)
+                ep.send_ack(0, expected & 0xFFFFFFFF, payload)
         else:
-            ep.send_ack(0, expected & 0xFFFFFFFF)  # a gap or a duplicate: say where we are
+            ep.send_ack(0, expected & 0xFFFFFFFF, payload)  # a gap or a duplicate: say where we are

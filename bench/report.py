@@ -40,6 +40,8 @@ class Row:
     ours: Stats | None
     baseline: Stats | None = None
     baseline_name: str = "raw-udp"
+    #: send_lat's ``--rnr-delay-us``: the latencies include this server-side wait
+    rnr_delay_us: int = 0
 
     @property
     def main(self) -> Stats:
@@ -70,7 +72,9 @@ def row_json(row: Row) -> dict[str, Any]:
     or ``bw_peak_MBps bw_avg_MBps msg_rate_Mpps``).  With a baseline beside
     ours: ``baseline`` (an object with ``iterations`` and the same figure
     keys) and ``ratio`` (ours / baseline for every figure; None where the
-    baseline's figure is 0).
+    baseline's figure is 0).  A send_lat run with ``--rnr-delay-us`` adds
+    ``rnr_delay_us``: the server's delay before each receive, which the
+    latencies include.
     """
     main = row.main
     out: dict[str, Any] = {
@@ -79,6 +83,8 @@ def row_json(row: Row) -> dict[str, Any]:
         "iterations": main.iterations,
         "transport": "udpverbs" if row.ours is not None else row.baseline_name,
     }
+    if row.rnr_delay_us:
+        out["rnr_delay_us"] = row.rnr_delay_us
     out.update(main.as_dict())
     if row.ours is not None and row.baseline is not None:
         out["baseline"] = {"name": row.baseline_name, "iterations": row.baseline.iterations, **row.baseline.as_dict()}
@@ -97,11 +103,12 @@ def row_from_json(obj: dict[str, Any]) -> Row:
     Raises: KeyError or TypeError on an object that is not a row.
     """
     main = _stats_from(obj)
+    rnr = int(obj.get("rnr_delay_us", 0))
     if obj["transport"] == "udpverbs":
         base = _stats_from(obj["baseline"]) if "baseline" in obj else None
         name = obj["baseline"]["name"] if "baseline" in obj else "raw-udp"
-        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name)
-    return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]))
+        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr)
+    return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]), rnr)
 
 
 def columns(is_latency: bool, with_ratio: bool) -> str:

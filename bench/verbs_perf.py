@@ -7,7 +7,9 @@ one CQ, ``-q`` RC QPs), and the two exchange QPNs, rkey, buffer address and
 daemon address (GID + UDP port) over the control connection, as perftest
 does out of band, then move their QPs to RTS.  The MR has two halves: the
 first is the source of what this side sends, the second is where the peer's
-RDMA Writes land, so a side never mistakes its own marker for the peer's.
+RDMA Writes and Sends land, so a side never mistakes its own marker for the
+peer's (atomics: the server's counter word, and the old value the client
+fetches, start the second half).
 
 Per message size:
 
@@ -17,37 +19,70 @@ Per message size:
   marker back; the client times the round trip and reports half of it.
   Spinning yields the CPU each turn (``os.sched_yield``): on a 2-vCPU host
   the daemons need it.
-* ``read_lat``: the client issues one RDMA Read of the server's buffer and
-  busy-polls the CQ for its completion; the whole round trip is reported,
-  as perftest does for reads (there is no "half" of a Read).
-* ``write_bw`` / ``read_bw``: the client keeps ``tx_depth`` WRs in flight on
-  every QP, signals one WR in ``cq_mod`` (a signaled completion retires the
-  unsignaled WRs before it on that QP, RFC 5040 §5: completions are in
-  order), and notes when each message completed.  The server is passive.
+* ``send_lat``: ping-pong of Sends, as perftest's ``ib_send_lat``.  Each
+  side posts the receive (on its landing half) for the peer's next message
+  just before sending its own, and the server starts with one posted, so
+  no Send ever finds the QP without a receive.  The marker travels
+  in the last byte and is checked on both sides; half the round trip is
+  reported.  With ``--rnr-delay-us D`` the server posts the receive for the
+  next ping only D µs *after* its reply, so the client's next Send meets a
+  QP with no receive (RNR NACK), and completes once the receive appears
+  (the daemon's active resume); the latency includes the wait.
+* ``read_lat`` / ``atomic_lat``: the client issues one RDMA Read of the
+  server's buffer, or one Fetch-and-Add of 1 on the 8-byte word at the
+  start of the server's landing half, and busy-polls the CQ for its
+  completion; the whole round trip is reported, as perftest does for reads
+  and atomics.  Each Fetch-and-Add's old value (host byte order, in this
+  side's landing half) must be the server's starting value plus the number
+  of adds before it.
+* ``write_bw`` / ``read_bw`` / ``send_bw`` / ``atomic_bw``: the client
+  keeps ``tx_depth`` WRs in flight on every QP, signals one WR in
+  ``cq_mod`` (a signaled completion retires the unsignaled WRs before it on
+  that QP, RFC 5040 §5: completions are in order), and notes when each
+  message completed.  The server is passive, except in ``send_bw``, where
+  it keeps ``rx_depth`` receives posted on every QP (perftest's 512 shared
+  among the QPs, at least twice ``tx_depth`` each), re-posting each as it
+  completes, as perftest's ``ib_send_bw``.  Reads and atomics share the
+  QP's ORD/IRD budget (RFC 7306): at most ``min(tx_depth, max_qp_rd_atom)``
+  are on the wire, the daemon holds the rest in the send queue.
 
-Data-path failures arrive as work completions with a status; the first bad
-status stops the run with :class:`VerbsRunError` naming it.  Send and the
-atomics need issue 4: until the library and daemon do them, those tests
-stop with :class:`VerbsUnavailable` and a clear message, never with a
-made-up number.
+Every run ends with a check of what reached the server: the client says how
+many operations completed, and the server compares it with the receives it
+counted (send tests) or with how far its counter word advanced (atomics);
+a mismatch fails the run on both sides.  Data-path failures arrive as work
+completions with a status; the first bad status stops the run with
+:class:`VerbsRunError` naming it.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import sys
 import time
 from typing import Any
 
+from .control import ControlError
 from .stats import BandwidthStats, LatencyStats, bandwidth_stats, latency_stats
 
 #: What the benchmarks need from udpverbs.verbs.
-REQUIRED = ("Context", "PD", "MR", "CQ", "QP", "QPInitAttr", "QPCap", "QPAttr", "SendWR", "SGE", "AHAttr", "GlobalRoute")
+REQUIRED = ("Context", "PD", "MR", "CQ", "QP", "QPInitAttr", "QPCap", "QPAttr", "SendWR", "RecvWR", "SGE", "AHAttr",
+            "GlobalRoute")
 #: A run that makes no progress for this long has failed.
 STALL_S = 30.0
 #: How often (in spins) a waiting side looks at the clock and the control connection.
 CHECK_EVERY = 256
 #: Under -e, the longest single sleep on the CQ before the stall check runs.
 EVENT_WAIT_S = 0.05
+#: send_bw: receives the server keeps posted, shared out among its QPs
+#: (perftest's 512), and at least twice the client's depth on every QP.
+RX_DEPTH = 512
+#: send_bw: once the client has said how many Sends completed, the longest the
+#: server waits, without a new receive completion, for the ones still missing.
+DRAIN_S = 2.0
+#: rnr_retry 7: retry for ever on receiver-not-ready (IB's "infinite").
+INFINITE_RNR_RETRY = 7
+_U64 = (1 << 64) - 1
 
 
 class VerbsRunError(Exception):
@@ -113,12 +148,6 @@ def open_side(params: Any, ctrl: Any, *, is_client: bool, device: str | None) ->
     VerbsRunError if the daemon refuses; ControlError if the peer fails.
     """
     verbs = load_verbs()
-    if params.spec.verb not in ("write", "read"):
-        # Checked on both sides before anything is created, so the peer hears it at the exchange.
-        raise VerbsUnavailable(
-            f"{params.test} needs {'Send/Receive' if params.spec.verb == 'send' else 'atomic operations'}"
-            " (issue 4), which udpverbs does not do yet; write_* and read_* work"
-        )
     side = VerbsSide(verbs, params, ctrl, is_client=is_client, device=device)
     try:
         side.connect()
@@ -126,6 +155,25 @@ def open_side(params: Any, ctrl: Any, *, is_client: bool, device: str | None) ->
         side.close()
         raise
     return side
+
+
+def _deadline(duration_s: float | None) -> int | None:
+    return None if duration_s is None else time.perf_counter_ns() + int(duration_s * 1e9)
+
+
+def _finished(i: int, warmup: int, iters: int, deadline: int | None) -> bool:
+    """True once iteration ``i`` is past the warm-up and ``iters`` measured ones, or the deadline (ns)."""
+    measured = i - warmup
+    if measured < 0:
+        return False
+    return time.perf_counter_ns() >= deadline if deadline is not None else measured >= iters
+
+
+def _peer_int(msg: dict[str, Any], key: str) -> int:
+    v = msg.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ControlError(f"malformed {msg.get('op')!r} from the peer: {key}={v!r}")
+    return v
 
 
 class VerbsSide:
@@ -141,27 +189,49 @@ class VerbsSide:
         self.is_client = is_client
         self.depth = params.depth()
         self.half = max(params.sizes())
+        spec = params.spec
+        self.access = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
+        if spec.verb == "atomic":
+            self.access |= E.IBV_ACCESS_REMOTE_ATOMIC
+        self.remote: dict[str, Any] = {}
+        self._sends_out = 0  # send WRs posted and not yet completed (latency tests)
+        self._recvs: collections.deque[Any] = collections.deque()  # receive completions not yet consumed
+        self._done: dict[str, Any] | None = None  # the client's "done", once the server has it
+        self._count = 0  # operations this run: completed (client) or received (server)
+        # How often (in turns) a waiting side looks at the clock and the control
+        # connection: every turn under -e, where each turn may sleep EVENT_WAIT_S.
+        self.check_every = 1 if params.use_events else CHECK_EVERY
         self.ctx = open_context(verbs, device)
         try:
-            access = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
+            dev = self.ctx.query_device()
+            # Receives posted from the start: send_lat's server has one, the
+            # send_bw server rx_depth on every QP; the client posts its own as it goes.
+            if spec.verb != "send" or is_client:
+                self.rx_depth = 0
+            elif spec.is_latency:
+                self.rx_depth = 1
+            else:
+                self.rx_depth = min(dev.max_qp_wr, max(2 * self.depth, -(-RX_DEPTH // params.qps)))
             self.pd = verbs.PD(self.ctx)
-            self.mr = verbs.MR(self.pd, 2 * self.half, access)
-            self.cq = verbs.CQ(self.ctx, max(16, 2 * self.depth * params.qps))
-            lat = params.spec.is_latency
-            cap = verbs.QPCap(max_send_wr=max(16, self.depth), max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+            self.mr = verbs.MR(self.pd, 2 * self.half, self.access)
+            self._recv_wr = verbs.RecvWR(sg=[verbs.SGE(self.mr.buf + self.half, self.half, self.mr.lkey)])
+            cqe = max(16, 2 * self.depth * params.qps, self.rx_depth * params.qps)
+            self.cq = verbs.CQ(self.ctx, min(cqe, dev.max_cqe))
+            lat = spec.is_latency
+            cap = verbs.QPCap(max_send_wr=max(16, self.depth), max_recv_wr=max(1, self.rx_depth), max_send_sge=1,
+                              max_recv_sge=1)  # fmt: skip
             init = verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1 if lat else 0)
             self.qps = [verbs.QP(self.pd, init) for _ in range(params.qps)]
             self.gid = self.ctx.query_gid()
             self.udp_port = self.ctx.query_port().lid
-            self.rd_atom = min(self.depth, self.ctx.query_device().max_qp_rd_atom)
+            self.rd_atom = min(self.depth, dev.max_qp_rd_atom)
         except (verbs.VerbsError, verbs.UserError, TimeoutError) as e:
             self.close()
             raise VerbsRunError(f"setting up udpverbs resources failed: {e}") from e
-        self.remote: dict[str, Any] = {}
 
     # -- set-up -------------------------------------------------------------------
     def connect(self) -> None:
-        """Exchange QPN/rkey/address/daemon with the peer and move every QP to RTS.
+        """Exchange QPN/rkey/address/daemon with the peer, move every QP to RTS, post the receives.
 
         Raises: ControlError if the peer fails; VerbsRunError if a transition is refused.
         """
@@ -185,20 +255,23 @@ class VerbsSide:
             raise VerbsRunError(f"malformed QP attributes from the peer: {e}") from e
         if len(qpns) != len(self.qps):
             raise VerbsRunError(f"peer has {len(qpns)} QPs, we have {len(self.qps)}")
-        E, v = self.E, self.v
+        v = self.v
         try:
             for qp, dest in zip(self.qps, qpns):
                 attr = v.QPAttr(
-                    qp_access_flags=E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ | E.IBV_ACCESS_LOCAL_WRITE,
+                    qp_access_flags=self.access,
                     dest_qp_num=dest,
                     ah_attr=v.AHAttr(dlid=self.remote["port"], gr=v.GlobalRoute(dgid=self.remote["gid"])),
                     max_rd_atomic=self.rd_atom,
                     max_dest_rd_atomic=min(self.rd_atom, self.remote["rd_atom"]) or 1,
+                    rnr_retry=INFINITE_RNR_RETRY,
                 )
                 qp.to_rts(attr)
+                self._post_recvs(qp, self.rx_depth)
         except (v.VerbsError, v.UserError) as e:
             raise VerbsRunError(f"connecting the QPs failed: {e}") from e
-        # Both QPs must be in RTS before either side writes (perftest's ctx_hand_shake).
+        # Both QPs must be in RTS (and their receives posted) before either
+        # side sends (perftest's ctx_hand_shake).
         self.ctrl.exchange({"op": "rts"}, STEP_TIMEOUT_S)
 
     def addresses(self) -> tuple[str, str]:
@@ -214,39 +287,97 @@ class VerbsSide:
             text(r["qpns"][0], r["rkey"], r["addr"], r["gid"], r["port"]),
         )
 
+    def _work_request(self, size: int) -> Any:
+        """Return a signaled WR of this test's verb for one message of ``size`` bytes.
+
+        Writes go from this side's first half into the peer's landing half,
+        Reads from the peer's first half into this side's, Sends from the
+        first half; a Fetch-and-Add adds 1 to the word at the start of the
+        peer's landing half, its old value landing at the start of ours.
+        """
+        v, E, r = self.v, self.E, self.remote
+        verb = self.params.spec.verb
+        if verb == "atomic":
+            wr = v.SendWR(opcode=E.IBV_WR_ATOMIC_FETCH_AND_ADD, sg=[v.SGE(self.mr.buf + self.half, 8, self.mr.lkey)],
+                          send_flags=E.IBV_SEND_SIGNALED)  # fmt: skip
+            wr.set_wr_atomic(r["rkey"], r["addr"] + self.half, compare_add=1, swap=0)
+            return wr
+        opcode = {"write": E.IBV_WR_RDMA_WRITE, "read": E.IBV_WR_RDMA_READ, "send": E.IBV_WR_SEND}[verb]
+        wr = v.SendWR(opcode=opcode, sg=[v.SGE(self.mr.buf, size, self.mr.lkey)], send_flags=E.IBV_SEND_SIGNALED)
+        if verb != "send":
+            wr.set_wr_rdma(r["rkey"], r["addr"] + (self.half if verb == "write" else 0))
+        return wr
+
+    def _post_recvs(self, qp: Any, count: int) -> None:
+        """Post ``count`` receives on ``qp``, all into the landing half (one buffer, as perftest's)."""
+        if count == 1:
+            qp.post_recv(self._recv_wr)
+        elif count > 1:
+            head = None
+            for _ in range(count):
+                head = self.v.RecvWR(sg=self._recv_wr.sg, next_wr=head)
+            qp.post_recv(head)
+
+    def _word(self) -> int:
+        """The 64-bit word at the start of the landing half, in host byte order (atomics)."""
+        return int.from_bytes(self.mr.mv[self.half : self.half + 8], sys.byteorder)
+
     # -- runs -------------------------------------------------------------------------
     def run(self, size: int, iters: int, duration_s: float | None) -> LatencyStats | BandwidthStats | None:
-        """Run one size on this side.
+        """Run one size on this side, then check what reached the server.
 
         Returns: the statistics on the client, None on the server.
-        Raises: VerbsRunError on a failed completion or a stall; ControlError.
+        Raises: VerbsRunError on a failed completion, a stall, or a count
+        that does not match; ControlError.
         """
         from .perf import RUN_TIMEOUT_S, STEP_TIMEOUT_S, warmup_iters
 
         spec = self.params.spec
-        if spec.name == "write_lat":
+        if spec.name in ("write_lat", "send_lat"):
             # Clear the landing marker before the barrier: after it the peer's
-            # first Write may land at any moment.
+            # first message may land at any moment.
             self.mr.mv[self.half + size - 1] = 0
-        self.ctrl.exchange({"op": "verbs-run", "size": size}, STEP_TIMEOUT_S)
-        result: LatencyStats | BandwidthStats | None
+        mine: dict[str, Any] = {"op": "verbs-run", "size": size}
+        if spec.verb == "atomic" and not self.is_client:
+            mine["counter"] = self._word()
+        peer = self.ctrl.exchange(mine, STEP_TIMEOUT_S)
+        self._done = None
+        self._count = 0
+        warmup = warmup_iters(iters)
+        result: LatencyStats | BandwidthStats | None = None
         try:
-            if spec.name == "write_lat":
-                result = self._write_lat(size, iters, duration_s, warmup_iters(iters))
+            if spec.name in ("write_lat", "send_lat"):
+                result = self._ping_pong(size, iters, duration_s, warmup)
             elif not self.is_client:
-                # read_lat and the bandwidth tests are one-sided: the server's
-                # daemon answers, its application only waits.
-                self.ctrl.expect("done", RUN_TIMEOUT_S + (duration_s or 0.0))
-                return None
-            elif spec.name == "read_lat":
-                result = self._read_lat(size, iters, duration_s, warmup_iters(iters))
+                # The other tests are one-sided but for send_bw's receives:
+                # the server's daemon answers, its application only waits.
+                if spec.name == "send_bw":
+                    self._send_bw_server(size)
+            elif spec.is_latency:
+                result = self._round_trip_lat(size, iters, duration_s, warmup, peer)
             else:
                 result = self._bw(size, iters, duration_s)
         except (self.v.VerbsError, self.v.UserError) as e:
             raise VerbsRunError(f"{spec.name} at {size} B: {e}") from e
         if self.is_client:
-            self.ctrl.send({"op": "done"})
-        return result
+            self.ctrl.exchange({"op": "done", "count": self._count}, STEP_TIMEOUT_S)
+            return result
+        done = self._done or self.ctrl.expect("done", RUN_TIMEOUT_S + (duration_s or 0.0))
+        self._verify(size, _peer_int(done, "count"), mine.get("counter"))
+        self.ctrl.send({"op": "done"})
+        return None
+
+    def _verify(self, size: int, count: int, counter: int | None) -> None:
+        """Server: compare the client's count of completed operations with what arrived here."""
+        name = self.params.test
+        if self.params.spec.verb == "send" and self._count != count:
+            raise VerbsRunError(f"{name} at {size} B: the server received {self._count} Sends, "
+                                f"the client completed {count}")  # fmt: skip
+        if counter is not None:
+            advanced = (self._word() - counter) & _U64
+            if advanced != count:
+                raise VerbsRunError(f"{name}: the server's counter advanced by {advanced}, "
+                                    f"the client completed {count} Fetch-and-Adds")  # fmt: skip
 
     def _check(self, wcs: list[Any]) -> None:
         for wc in wcs:
@@ -268,65 +399,122 @@ class VerbsSide:
         else:
             os.sched_yield()
 
-    def _drain(self) -> int:
+    def _peer_done(self) -> bool:
+        """Server: True once the client's ``done`` has arrived (kept in ``self._done``)."""
+        if self._done is None:
+            self._done = self.ctrl.poll_step("done")
+        return self._done is not None
+
+    # -- latency tests: one message in flight ------------------------------------------
+    def _post(self, qp: Any, wr: Any, i: int) -> None:
+        wr.wr_id = i
+        qp.post_send(wr)
+        self._sends_out += 1
+
+    def _reap(self) -> int:
+        """Poll the CQ once: count send completions off, keep receive ones; return how many came."""
         n, wcs = self.cq.poll(64)
         if n:
             self._check(wcs)
+            recv = self.E.IBV_WC_RECV
+            for wc in wcs:
+                if wc.opcode & recv:
+                    self._recvs.append(wc)
+                else:
+                    self._sends_out -= 1
         return n
 
-    def _write_lat(self, size: int, iters: int, duration_s: float | None, warmup: int) -> LatencyStats | None:
-        v, E = self.v, self.E
+    def _retire_sends(self, limit: int) -> None:
+        """Reap completions until at most ``limit`` send WRs are outstanding."""
+        since = time.monotonic()
+        while True:
+            n = self._reap()
+            if self._sends_out <= limit:
+                return
+            if n:
+                since = time.monotonic()
+            else:
+                self._stalled(since, f"waiting for {self.params.spec.verb} completions")
+                os.sched_yield()
+
+    def _await_recv(self, *, stop_on_done: bool) -> Any:
+        """Wait for the next receive completion; None if the client said done (``stop_on_done``)."""
+        spins = 0
+        since = time.monotonic()
+        while not self._recvs:
+            if self._reap():
+                continue
+            spins += 1
+            if spins % self.check_every == 0:
+                if stop_on_done and self._peer_done():
+                    return None
+                self._stalled(since, "waiting for the peer's Send")
+            self._idle()
+        return self._recvs.popleft()
+
+    def _await_message(self, size: int, marker: int, *, stop_on_done: bool) -> bool:
+        """Wait for the peer's ping-pong message ending in ``marker``; False if the client said done.
+
+        A Write is seen landing (its last byte); a Send by its receive
+        completion, then its length and last byte are checked.
+        """
+        land_last = self.half + size - 1
+        if self.params.spec.verb != "send":
+            return self._await_byte(self.mr.mv, land_last, marker, stop_on_done=stop_on_done)
+        wc = self._await_recv(stop_on_done=stop_on_done)
+        if wc is None:
+            return False
+        got = self.mr.mv[land_last]
+        if wc.byte_len != size or got != marker:
+            raise VerbsRunError(f"Send {self._count}: received {wc.byte_len} B ending in {got}, "
+                                f"expected {size} B ending in {marker}")  # fmt: skip
+        return True
+
+    def _ping_pong(self, size: int, iters: int, duration_s: float | None, warmup: int) -> LatencyStats | None:
+        """write_lat / send_lat: one message each way per iteration; the client reports half round trips.
+
+        Send: each side posts the receive for the peer's next message just
+        before its own message (the server has one posted from the start),
+        except that under --rnr-delay-us the server posts it only that long
+        after its reply.
+        """
         qp = self.qps[0]
         mv = self.mr.mv
         src_last = size - 1
-        land_last = self.half + size - 1
-        wr = v.SendWR(
-            wr_id=0, opcode=E.IBV_WR_RDMA_WRITE, sg=[v.SGE(self.mr.buf, size, self.mr.lkey)],
-            send_flags=E.IBV_SEND_SIGNALED,
-        )  # fmt: skip
-        wr.set_wr_rdma(self.remote["rkey"], self.remote["addr"] + self.half)
+        wr = self._work_request(size)
+        is_send = self.params.spec.verb == "send"
+        rnr_s = 0.0 if self.is_client else self.params.rnr_delay_us / 1e6
         clock = time.perf_counter_ns
-        yield_cpu = os.sched_yield
-        outstanding = 0
         limit = qp.cap.max_send_wr - 1
         samples: list[int] = []
-        deadline = None if duration_s is None else clock() + int(duration_s * 1e9)
+        deadline = _deadline(duration_s)
         i = 0
         while True:
             marker = i % 255 + 1
+            self._count = i
             if self.is_client:
-                measured = i - warmup
-                if measured >= 0 and (clock() >= deadline if deadline is not None else measured >= iters):
+                if _finished(i, warmup, iters, deadline):
                     break
                 t0 = clock()
-            else:
-                # The server answers until the client says it is done.
-                if not self._await_byte(mv, land_last, marker, stop_on_done=True):
-                    break
+            elif not self._await_message(size, marker, stop_on_done=True):
+                break  # the server answers until the client says it is done
+            if is_send and not rnr_s:
+                self._post_recvs(qp, 1)
             mv[src_last] = marker
-            wr.wr_id = i
-            qp.post_send(wr)
-            outstanding += 1
+            self._post(qp, wr, i)
             if self.is_client:
-                self._await_byte(mv, land_last, marker, stop_on_done=False)
+                self._await_message(size, marker, stop_on_done=False)
                 t1 = clock()
                 if i >= warmup:
                     samples.append((t1 - t0) // 2)
-            outstanding -= self._drain()
-            since = time.monotonic()
-            while outstanding >= limit:
-                outstanding -= self._drain()
-                self._stalled(since, "waiting for Write completions")
-                yield_cpu()
+            elif rnr_s:
+                # The RNR path: the client's next Send may come while no receive is posted.
+                time.sleep(rnr_s)
+                self._post_recvs(qp, 1)
+            self._retire_sends(limit)
             i += 1
-        since = time.monotonic()
-        while outstanding > 0:  # leave no WR behind for the next size
-            outstanding -= self._drain()
-            self._stalled(since, "waiting for the last Write completions")
-            yield_cpu()
-        if self.is_client:
-            return latency_stats(samples)
-        return None
+        self._retire_sends(0)  # leave no WR behind for the next size
+        return latency_stats(samples) if self.is_client else None
 
     def _await_byte(self, mv: Any, index: int, marker: int, *, stop_on_done: bool) -> bool:
         """Spin (yielding) until ``mv[index] == marker``; False if the client said done."""
@@ -336,34 +524,28 @@ class VerbsSide:
         while mv[index] != marker:
             spins += 1
             if spins % CHECK_EVERY == 0:
-                if stop_on_done:
-                    msg = self.ctrl.poll(0.0)
-                    if msg is not None:
-                        if msg.get("op") == "done":
-                            return False
-                        raise VerbsRunError(f"unexpected {msg.get('op')!r} from the client during write_lat")
+                if stop_on_done and self._peer_done():
+                    return False
                 self._stalled(since, "waiting for the peer's Write")
             yield_cpu()
         return True
 
-    def _read_lat(self, size: int, iters: int, duration_s: float | None, warmup: int) -> LatencyStats:
-        v, E = self.v, self.E
+    def _round_trip_lat(
+        self, size: int, iters: int, duration_s: float | None, warmup: int, peer: dict[str, Any]
+    ) -> LatencyStats:
+        """read_lat / atomic_lat: one WR at a time, the whole round trip measured."""
         qp = self.qps[0]
-        wr = v.SendWR(
-            wr_id=0, opcode=E.IBV_WR_RDMA_READ, sg=[v.SGE(self.mr.buf, size, self.mr.lkey)],
-            send_flags=E.IBV_SEND_SIGNALED,
-        )  # fmt: skip
-        wr.set_wr_rdma(self.remote["rkey"], self.remote["addr"])
+        wr = self._work_request(size)
+        is_atomic = self.params.spec.verb == "atomic"
+        start = _peer_int(peer, "counter") if is_atomic else 0
+        what = "a Fetch-and-Add" if is_atomic else "a Read"
         clock = time.perf_counter_ns
         poll = self.cq.poll
         idle = self._idle
         samples: list[int] = []
-        deadline = None if duration_s is None else clock() + int(duration_s * 1e9)
+        deadline = _deadline(duration_s)
         i = 0
-        while True:
-            measured = i - warmup
-            if measured >= 0 and (clock() >= deadline if deadline is not None else measured >= iters):
-                break
+        while not _finished(i, warmup, iters, deadline):
             t0 = clock()
             wr.wr_id = i
             qp.post_send(wr)
@@ -374,28 +556,62 @@ class VerbsSide:
                 if n:
                     break
                 spins += 1
-                if spins % CHECK_EVERY == 0:
-                    self._stalled(since, "waiting for a Read completion")
+                if spins % self.check_every == 0:
+                    self._stalled(since, f"waiting for {what} completion")
                 idle()
             t1 = clock()
             self._check(wcs)
+            if is_atomic and self._word() != (start + i) & _U64:
+                raise VerbsRunError(f"Fetch-and-Add {i} returned {self._word()}, expected {(start + i) & _U64} "
+                                    "(the server's counter before it)")  # fmt: skip
             if i >= warmup:
-                samples.append(t1 - t0)  # perftest reports a Read's whole round trip
+                samples.append(t1 - t0)  # perftest reports a Read's (an atomic's) whole round trip
             i += 1
+        self._count = i
         return latency_stats(samples)
 
+    # -- bandwidth tests: tx_depth in flight ----------------------------------------------
+    def _send_bw_server(self, size: int) -> None:
+        """Count the client's Sends, re-posting each receive, until the client's count has arrived."""
+        poll = self.cq.poll
+        idle = self._idle
+        index = {qp.qp_num: k for k, qp in enumerate(self.qps)}
+        target: int | None = None
+        spins = 0
+        since = time.monotonic()
+        while target is None or self._count < target:
+            n, wcs = poll(64)
+            if n:
+                self._check(wcs)
+                repost: dict[int, int] = {}
+                for wc in wcs:
+                    if wc.byte_len != size:
+                        raise VerbsRunError(f"Send {self._count}: received {wc.byte_len} B, expected {size} B")
+                    k = index.get(wc.qp_num, 0)
+                    repost[k] = repost.get(k, 0) + 1
+                for k, count in repost.items():
+                    self._post_recvs(self.qps[k], count)
+                self._count += n
+                since = time.monotonic()
+            spins += 1
+            if spins % self.check_every == 0:
+                if target is None:
+                    if self._peer_done():
+                        assert self._done is not None
+                        target = _peer_int(self._done, "count")
+                        since = time.monotonic()
+                    self._stalled(since, f"receiving Sends ({self._count} so far)")
+                elif time.monotonic() - since > DRAIN_S:
+                    break  # what has not arrived by now never will: _verify says so
+            if not n:
+                idle()
+
     def _bw(self, size: int, iters: int, duration_s: float | None) -> BandwidthStats:
-        v, E = self.v, self.E
-        is_read = self.params.spec.verb == "read"
-        opcode = E.IBV_WR_RDMA_READ if is_read else E.IBV_WR_RDMA_WRITE
+        E = self.E
         depth = self.depth
         cq_mod = self.params.cq_mod()
         nq = len(self.qps)
-        wrs = []
-        for qp in self.qps:
-            wr = v.SendWR(wr_id=0, opcode=opcode, sg=[v.SGE(self.mr.buf, size, self.mr.lkey)])
-            wr.set_wr_rdma(self.remote["rkey"], self.remote["addr"] + (0 if is_read else self.half))
-            wrs.append(wr)
+        wrs = [self._work_request(size) for _ in self.qps]
         # Iterations are shared out among the QPs; under -D every QP stops on
         # a signaled WR (a multiple of cq_mod), so no unsignaled tail is left
         # that no completion would ever retire.
@@ -446,6 +662,7 @@ class VerbsSide:
                 if time.monotonic() - since > STALL_S:
                     raise VerbsRunError(f"no completion for {STALL_S:g} s ({sum(done)} of {sum(posted)} done)")
                 idle()
+        self._count = sum(done)
         return bandwidth_stats(size, start, completions, depth)
 
     def close(self) -> None:

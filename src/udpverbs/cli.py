@@ -9,6 +9,9 @@ it the client; ``--local`` runs both sides on this host (two daemons on
 127.0.0.2 and 127.0.0.3, the server as a child process) so nothing needs
 setting up.  ``--baseline raw-udp`` measures bare UDP sockets between the
 same two processes in the same run and prints it beside every row.
+``--rnr-delay-us D`` (send_lat only) exercises the receiver-not-ready path:
+the server posts each receive D µs after its reply, so the client's next
+Send is NACKed and resumed; the latencies include the wait.
 
 ``udpverbs demo`` is the first command to try after installing: a local
 write latency sweep and write bandwidth sweep with the baseline, the tables,
@@ -100,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-t", "--tx-depth", dest="tx_depth", type=int, help="messages in flight per QP (bandwidth tests; default 128)")
     perf.add_argument("-m", "--mtu", type=int, default=1500, help="IP path MTU in bytes (default 1500): the baseline's datagrams and the --local daemons' (a daemon you started keeps its own)")
     perf.add_argument("-e", "--events", dest="use_events", action="store_true", help="sleep on CQ events instead of busy-polling")
+    perf.add_argument("--rnr-delay-us", type=int, default=0, metavar="D",
+                      help="send_lat only: the server posts each receive D usec after its reply, so the next Send "
+                      "takes the receiver-not-ready path (RNR NACK, then resume); the latency includes the wait "
+                      "(default 0: receives stay pre-posted)")
     perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -140,6 +147,7 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             baseline_only=args.baseline_only,
             max_size=args.max_size,
             use_events=args.use_events,
+            rnr_delay_us=args.rnr_delay_us,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

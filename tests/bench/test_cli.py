@@ -45,6 +45,11 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["atomic_bw", "-s", "64"], "atomic"),
         (["write_bw", "-D", "0"], "-D"),
         (["write_bw", "--baseline-only"], "--baseline"),
+        (["send_bw", "--rnr-delay-us", "100"], "--rnr-delay-us drives send_lat's receiver-not-ready path"),
+        (["atomic_bw", "--rnr-delay-us", "1"], "does not apply to atomic_bw (bandwidth tests keep"),
+        (["write_lat", "--rnr-delay-us", "100"], "does not apply to write_lat (write_lat has no receives)"),
+        (["send_lat", "--rnr-delay-us", "-1"], "--rnr-delay-us must be between 0 (off) and 1000000"),
+        (["send_lat", "--rnr-delay-us", "1000001"], "--rnr-delay-us must be between"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,3 +111,31 @@ def test_events_flag_applies_to_cq_polling_tests_only(capsys: pytest.CaptureFixt
     assert _params("read_lat", "-e").use_events
     assert cli.main(["perf", "write_lat", "-e"]) == 2
     assert "-e does not apply" in capsys.readouterr().err
+
+
+def test_rnr_delay_is_off_by_default_and_send_lat_takes_it() -> None:
+    assert _params("send_lat").rnr_delay_us == 0
+    p = _params("send_lat", "--rnr-delay-us", "250", "-n", "10")
+    assert p.rnr_delay_us == 250
+    assert p.title() == "Send Latency Test (RNR path: includes the server's 250 usec receive delay)"
+    assert _params("send_lat", "--rnr-delay-us", "0").title() == "Send Latency Test"
+    # 0 means off for every test, so scripts may always pass it
+    assert _params("send_bw", "--rnr-delay-us", "0").rnr_delay_us == 0
+    assert PerfParams.from_wire(p.to_wire()) == p
+
+
+def test_rnr_delay_must_be_a_whole_number_of_microseconds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["perf", "send_lat", "--rnr-delay-us", "1.5"])
+    assert exc.value.code == 2 and "--rnr-delay-us" in capsys.readouterr().err
+
+
+def test_rnr_delay_from_the_wire_is_checked() -> None:
+    good = _params("send_lat", "--rnr-delay-us", "100").to_wire()
+    for bad in ({**good, "rnr_delay_us": "100"}, {**good, "rnr_delay_us": True}, {**good, "rnr_delay_us": None},
+                {**good, "rnr_delay_us": -5}, {**good, "test": "send_bw"}):  # fmt: skip
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+    # a client that predates the flag sends no rnr_delay_us: off
+    old = {k: v for k, v in good.items() if k != "rnr_delay_us"}
+    assert PerfParams.from_wire(old).rnr_delay_us == 0

@@ -120,6 +120,64 @@ def test_stream_survives_lost_datagrams_and_counts_every_message(relayed) -> Non
     assert bandwidth_stats(size, start, completions, 8).bw_avg_MBps > 0
 
 
+def _answered_server(sock, size, window):  # type: ignore[no-untyped-def]
+    def answering(sock, size, mtu, **kw):  # type: ignore[no-untyped-def]
+        return rawudp.bandwidth_server(sock, size, mtu, answer=True, **kw)
+
+    return _serve(answering, sock, size, window)
+
+
+def test_answered_stream_survives_lost_datagrams(relayed) -> None:  # type: ignore[no-untyped-def]
+    a, b, relay = relayed
+    done, t, result = _answered_server(b, 8, 4)
+    start, completions = rawudp.bandwidth_client(a, 8, 1500, iters=30, run=7, window=4, answer=True)
+    done.set()
+    t.join(10)
+    assert "error" not in result and result["n"] == 30
+    # every request answered: 30 requests + 30 answers + 3 repeated, less 3 dropped
+    assert len(completions) == 30 and relay.dropped == 3 and relay.forwarded + relay.dropped >= 60
+    assert completions == sorted(completions) and completions[0] > start
+
+
+def test_answered_stream_for_a_duration_completes_what_it_sent() -> None:
+    a, b = rawudp.open_socket("127.0.0.1"), rawudp.open_socket("127.0.0.1")
+    with a, b:
+        a.connect(b.getsockname())
+        b.connect(a.getsockname())
+        done, t, result = _answered_server(b, 8, 16)
+        start, completions = rawudp.bandwidth_client(a, 8, 1500, iters=0, duration_s=0.2, run=7, window=16,
+                                                     answer=True)  # fmt: skip
+        done.set()
+        t.join(10)
+        assert "error" not in result and result["n"] == len(completions) > 0
+
+
+def test_answered_stream_needs_one_datagram_messages() -> None:
+    a = rawudp.open_socket("127.0.0.1")
+    with a, pytest.raises(rawudp.BaselineError, match="one datagram"):
+        rawudp.bandwidth_client(a, 5000, 1500, iters=1, answer=True)
+
+
+def test_server_pause_delays_every_answer_but_the_first() -> None:
+    a, b = rawudp.open_socket("127.0.0.1"), rawudp.open_socket("127.0.0.1")
+    with a, b:
+        a.connect(b.getsockname())
+        b.connect(a.getsockname())
+        done = threading.Event()
+        result: dict[str, object] = {}
+
+        def serve() -> None:
+            result["n"] = rawudp.latency_server(b, 2, 1500, stop=done.is_set, run=3, pause_s=0.01)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        samples = rawudp.latency_client(a, 2, 1500, iters=4, warmup=1, run=3)
+        done.set()
+        t.join(10)
+        # the next request waits in the socket while the server pauses: half a round trip >= ~5 ms
+        assert result["n"] == 5 and min(samples) >= 4_000_000
+
+
 def test_stale_datagrams_of_another_run_are_ignored() -> None:
     a, b = rawudp.open_socket("127.0.0.1"), rawudp.open_socket("127.0.0.1")
     with a, b:
@@ -154,6 +212,10 @@ def test_mtu_without_room_is_refused() -> None:
     [
         ("write_lat", ["-s", "3000", "-n", "30"], {"t_typical_us", "p999_us"}),
         ("write_bw", ["-s", "5000", "-n", "200"], {"bw_avg_MBps", "msg_rate_Mpps"}),
+        ("send_lat", ["--rnr-delay-us", "200", "-n", "20"], {"t_typical_us", "p999_us"}),
+        ("send_bw", ["-s", "5000", "-n", "200"], {"bw_avg_MBps", "msg_rate_Mpps"}),
+        ("atomic_lat", ["-n", "30"], {"t_typical_us", "p999_us"}),
+        ("atomic_bw", ["-t", "16", "-n", "300"], {"bw_avg_MBps", "msg_rate_Mpps"}),
     ],
 )
 def test_local_baseline_run_in_two_processes_gives_sane_json(
@@ -168,3 +230,5 @@ def test_local_baseline_run_in_two_processes_gives_sane_json(
     assert keys <= set(row)
     assert (row["test"], row["transport"], row["iterations"]) == (test, "raw-udp", int(extra[-1]))
     assert all(row[k] > 0 for k in keys)
+    assert row["bytes"] == (8 if test.startswith("atomic") else int(extra[1]) if extra[0] == "-s" else 2)
+    assert row.get("rnr_delay_us", 0) == (200 if "--rnr-delay-us" in extra else 0)

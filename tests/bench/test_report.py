@@ -54,3 +54,14 @@ def test_table_lines_follow_perftest_columns() -> None:
     # bytes, iterations, 7 figures, ratio
     assert ours[:2] == ["2", "3"] and len(ours) == 10 and ours[-1] == "3.33x"
     assert lines[1].split()[-1] == "(raw-udp)"
+
+
+def test_rnr_row_says_its_delay_and_survives_the_trip() -> None:
+    row = Row("send_lat", 2, latency_stats([3_000_000, 3_100_000]), latency_stats([2_900_000]), rnr_delay_us=5000)
+    obj = json.loads(json.dumps(row_json(row)))
+    assert obj["rnr_delay_us"] == 5000 and obj["test"] == "send_lat"
+    assert {"test", "bytes", "iterations", "transport", "baseline", "ratio", "rnr_delay_us"} | LAT_KEYS == set(obj)
+    assert row_from_json(obj) == row
+    baseline_only = Row("send_lat", 2, None, latency_stats([2_900_000]), rnr_delay_us=7)
+    assert row_from_json(row_json(baseline_only)) == baseline_only
+    assert "rnr_delay_us" not in row_json(_lat_row(True))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from udpverbs import cli
+from udpverbs.bench import verbs_perf
 
 LAT = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p999_us"}
 BW = {"bw_peak_MBps", "bw_avg_MBps", "msg_rate_Mpps"}
@@ -30,26 +31,153 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict
         (["read_bw", "-s", "4096", "-n", "30", "-t", "4", "--baseline", "raw-udp"], BW, 30),
         # -e: sleep on the CQ's completion events instead of busy-polling
         (["write_bw", "-s", "2", "-n", "20", "-e"], BW, 20),
+        # a Send of three segments into a posted receive, and back
+        (["send_lat", "-s", "3000", "-n", "20", "--baseline", "raw-udp"], LAT, 20),
+        (["send_lat", "-s", "2", "-n", "20", "-e"], LAT, 20),
+        # the server re-posts receives on two QPs; depth 8 against 41 Sends
+        (["send_bw", "-s", "5000", "-n", "41", "-q", "2", "-t", "8"], BW, 41),
+        (["send_bw", "-s", "2", "-n", "300", "-t", "64", "--baseline", "raw-udp"], BW, 300),
+        (["atomic_lat", "-n", "20", "--baseline", "raw-udp"], LAT, 20),
+        # 32 in flight: more than the daemon's ORD/IRD (16), so the send queue holds the rest
+        (["atomic_bw", "-n", "100", "-t", "32", "--baseline", "raw-udp"], BW, 100),
+        (["atomic_bw", "-n", "41", "-q", "2", "-t", "4", "-e"], BW, 41),
     ],
-    ids=["write_lat", "read_lat", "write_bw_2qps", "read_bw", "write_bw_events"],
+    ids=["write_lat", "read_lat", "write_bw_2qps", "read_bw", "write_bw_events", "send_lat", "send_lat_events",
+         "send_bw_2qps", "send_bw", "atomic_lat", "atomic_bw", "atomic_bw_2qps_events"],
 )
 def test_local_run_reports_a_sane_row(capsys: pytest.CaptureFixture[str], argv: list[str], keys: set[str], iters: int) -> None:
     rc, rows, err = _run(capsys, *argv, "--local", "--json")
     assert rc == 0, err
     assert len(rows) == 1
-    row = rows[0]
+    _check_row(rows[0], argv, keys, iters)
+    assert rows[0]["bytes"] == (8 if argv[0].startswith("atomic") else int(argv[2]))
+
+
+def _check_row(row: dict, argv: list[str], keys: set[str], iters: int) -> None:
     assert row["transport"] == "udpverbs" and row["iterations"] == iters and row["test"] == argv[0]
     assert keys <= set(row) and all(row[k] > 0 for k in keys - {"t_stdev_us"})
+    assert "rnr_delay_us" not in row or "--rnr-delay-us" in argv
     if keys is LAT:
         assert row["t_min_us"] <= row["t_typical_us"] <= row["p99_us"] <= row["p999_us"] <= row["t_max_us"]
     if "--baseline" in argv:
         assert set(row["ratio"]) == keys and row["baseline"]["iterations"] == iters
 
 
-def test_send_and_atomic_tests_say_they_are_not_available_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, rows, err = _run(capsys, "send_lat", "--local", "-n", "5")
+@pytest.fixture
+def client_stats(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The counters of the client's daemon (this process is the client), taken as its side closes."""
+    stats: dict[str, int] = {}
+    real = verbs_perf.VerbsSide.close
+
+    def close(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "ctx", None) is not None:
+            stats.update(self.ctx.query_stats())
+        real(self)
+
+    monkeypatch.setattr(verbs_perf.VerbsSide, "close", close)
+    return stats
+
+
+@pytest.mark.parametrize("test", ["send_lat", "send_bw"])
+def test_receives_stay_posted_across_a_sweep(
+    test: str, capsys: pytest.CaptureFixture[str], client_stats: dict[str, int]
+) -> None:
+    # Each size starts with the receives the previous one left posted (and re-posted).
+    argv = [test, "-a", "--max-size", "4096", "-n", "5", *([] if test == "send_lat" else ["-t", "4"])]
+    rc, rows, err = _run(capsys, *argv, "--local", "--json")
+    assert rc == 0, err
+    assert [r["bytes"] for r in rows] == [2**k for k in range(1, 13)]
+    for row in rows:
+        _check_row(row, argv, LAT if test == "send_lat" else BW, 5)
+    if test == "send_lat":
+        # a receive is always posted before the peer can send: never an RNR NACK
+        assert client_stats.get("rnr_nack_received", 0) == 0 and "link_data_sent" in client_stats
+
+
+def test_send_lat_rnr_path_includes_the_delay(capsys: pytest.CaptureFixture[str], client_stats: dict[str, int]) -> None:
+    # The server posts each receive 20 ms after its reply, and the next reply
+    # can only follow that: unless a reply takes over 10 ms to reach the
+    # client, a round trip is over 10 ms, half of it over delay / 4.
+    delay_us = 20_000
+    argv = ["send_lat", "-n", "8", "--rnr-delay-us", str(delay_us), "--baseline", "raw-udp"]
+    rc, rows, err = _run(capsys, *argv, "--local", "--json")
+    assert rc == 0, err
+    (row,) = rows
+    _check_row(row, argv, LAT, 8)
+    assert row["rnr_delay_us"] == delay_us
+    assert row["t_typical_us"] >= delay_us / 4 and row["baseline"]["t_typical_us"] >= delay_us / 4
+    # the pings really met a QP without a receive, and the server's daemon said when one came
+    assert client_stats["rnr_nack_received"] >= 1 and client_stats["rnr_resume_received"] >= 1
+    assert client_stats.get("rnr_retry_exceeded", 0) == 0
+
+
+def test_send_lat_rnr_banner_says_the_latency_includes_the_delay(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["perf", "send_lat", "-n", "3", "--rnr-delay-us", "500", "--local"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "Send Latency Test (RNR path: includes the server's 500 usec receive delay)" in out
+
+
+def _tamper(monkeypatch: pytest.MonkeyPatch, change) -> None:  # type: ignore[no-untyped-def]
+    """Make this process's (the client's) work requests wrong in the way ``change`` says."""
+    real = verbs_perf.VerbsSide._work_request
+
+    def wrong(self, size):  # type: ignore[no-untyped-def]
+        wr = real(self, size)
+        change(wr)
+        return wr
+
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_work_request", wrong)
+
+
+def test_short_sends_fail_loudly(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def one_byte_short(wr):  # type: ignore[no-untyped-def]
+        wr.sg[0].length -= 1
+
+    _tamper(monkeypatch, one_byte_short)
+    rc, rows, err = _run(capsys, "send_bw", "-s", "100", "-n", "20", "-t", "4", "--local", "--json")
     assert rc == 1 and rows == []
-    assert "issue 4" in err and "send_lat" in err
+    assert "received 99 B, expected 100 B" in err
+
+
+def test_sends_that_never_arrived_fail_loudly(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real = verbs_perf.VerbsSide._bw
+
+    def claims_one_more(self, *a):  # type: ignore[no-untyped-def]
+        stats = real(self, *a)
+        self._count += 1
+        return stats
+
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_bw", claims_one_more)
+    rc, rows, err = _run(capsys, "send_bw", "-s", "100", "-n", "20", "-t", "4", "--local", "--json")
+    assert rc == 1 and rows == []
+    assert "the server received 20 Sends, the client completed 21" in err
+
+
+@pytest.mark.parametrize(
+    "test, fragment",
+    [("atomic_lat", "Fetch-and-Add 1 returned"), ("atomic_bw", "counter advanced by 40, the client completed 20")],
+)
+def test_wrong_atomics_fail_loudly(
+    test: str, fragment: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def add_two(wr):  # type: ignore[no-untyped-def]
+        wr.compare_add = 2
+
+    _tamper(monkeypatch, add_two)
+    # atomic_lat: the second fetch already shows the first add's 2; atomic_bw: the server's count does
+    depth = [] if test == "atomic_lat" else ["-t", "4"]
+    rc, rows, err = _run(capsys, test, "-n", "20", *depth, "--local", "--json")
+    assert rc == 1 and rows == []
+    assert fragment in err
+
+
+def test_a_verbs_library_without_receives_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from udpverbs import verbs
+
+    monkeypatch.delattr(verbs, "RecvWR")
+    with pytest.raises(verbs_perf.VerbsUnavailable, match="RecvWR"):
+        verbs_perf.load_verbs()
 
 
 def test_demo_prints_both_sweeps_and_writes_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
