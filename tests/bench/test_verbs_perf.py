@@ -130,17 +130,19 @@ def _tamper(monkeypatch: pytest.MonkeyPatch, change) -> None:  # type: ignore[no
     monkeypatch.setattr(verbs_perf.VerbsSide, "_work_request", wrong)
 
 
-def test_short_sends_fail_loudly(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+# The tampering tests read file-descriptor output (capfd): which side reports
+# the bad data first is a race, and the server is a child process of --local.
+def test_short_sends_fail_loudly(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     def one_byte_short(wr):  # type: ignore[no-untyped-def]
         wr.sg[0].length -= 1
 
     _tamper(monkeypatch, one_byte_short)
-    rc, rows, err = _run(capsys, "send_bw", "-s", "100", "-n", "20", "-t", "4", "--local", "--json")
+    rc, rows, err = _run(capfd, "send_bw", "-s", "100", "-n", "20", "-t", "4", "--local", "--json")
     assert rc == 1 and rows == []
     assert "received 99 B, expected 100 B" in err
 
 
-def test_sends_that_never_arrived_fail_loudly(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sends_that_never_arrived_fail_loudly(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     real = verbs_perf.VerbsSide._bw
 
     def claims_one_more(self, *a):  # type: ignore[no-untyped-def]
@@ -149,7 +151,7 @@ def test_sends_that_never_arrived_fail_loudly(monkeypatch: pytest.MonkeyPatch, c
         return stats
 
     monkeypatch.setattr(verbs_perf.VerbsSide, "_bw", claims_one_more)
-    rc, rows, err = _run(capsys, "send_bw", "-s", "100", "-n", "20", "-t", "4", "--local", "--json")
+    rc, rows, err = _run(capfd, "send_bw", "-s", "100", "-n", "20", "-t", "4", "--local", "--json")
     assert rc == 1 and rows == []
     assert "the server received 20 Sends, the client completed 21" in err
 
@@ -159,7 +161,7 @@ def test_sends_that_never_arrived_fail_loudly(monkeypatch: pytest.MonkeyPatch, c
     [("atomic_lat", "Fetch-and-Add 1 returned"), ("atomic_bw", "counter advanced by 40, the client completed 20")],
 )
 def test_wrong_atomics_fail_loudly(
-    test: str, fragment: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    test: str, fragment: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     def add_two(wr):  # type: ignore[no-untyped-def]
         wr.compare_add = 2
@@ -167,7 +169,7 @@ def test_wrong_atomics_fail_loudly(
     _tamper(monkeypatch, add_two)
     # atomic_lat: the second fetch already shows the first add's 2; atomic_bw: the server's count does
     depth = [] if test == "atomic_lat" else ["-t", "4"]
-    rc, rows, err = _run(capsys, test, "-n", "20", *depth, "--local", "--json")
+    rc, rows, err = _run(capfd, test, "-n", "20", *depth, "--local", "--json")
     assert rc == 1 and rows == []
     assert fragment in err
 
