@@ -13,11 +13,14 @@ from udpverbs.verbs.enums import (
     IBV_SEND_SOLICITED,
     IBV_WC_LOC_LEN_ERR,
     IBV_WC_RECV,
+    IBV_WC_RECV_RDMA_WITH_IMM,
     IBV_WC_REM_INV_REQ_ERR,
     IBV_WC_RNR_RETRY_EXC_ERR,
     IBV_WC_SEND,
     IBV_WC_SUCCESS,
+    IBV_WR_RDMA_WRITE_WITH_IMM,
     IBV_WR_SEND,
+    IBV_WR_SEND_WITH_IMM,
 )
 
 from .conftest import ACCESS_ALL, Side, connect_manual
@@ -186,3 +189,32 @@ def test_solicited_only_notification(pair) -> None:
     assert ch.get_cq_event(timeout=10) is cq
     n, wcs = cq.poll(4)
     assert n == 2 and [w.wr_id for w in wcs] == [0, 1]
+
+
+def test_immediate_data_without_a_receive_waits_for_one(daemons) -> None:
+    # Write with Immediate and Send with Immediate both end in an Immediate Data
+    # message that needs a receive: NACKed, re-sent, then each completes once.
+    a, b = _rnr_pair(daemons, rnr_retry=7, min_rnr_timer=1)
+    try:
+        before = b.ctx.query_stats().get("rnr_nack_sent", 0)
+        a.mr.write(b"W" * 3000, 3000, 0)
+        wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE_WITH_IMM, imm_data=11,
+                          sg=[verbs.SGE(a.mr.buf, 3000, a.mr.lkey)], send_flags=IBV_SEND_SIGNALED)
+        wr.set_wr_rdma(b.mr.rkey, b.mr.buf + 8192)
+        a.qp.post_send(wr)
+        a.mr.write(b"S" * 2000, 2000, 4096)
+        a.qp.post_send(verbs.SendWR(wr_id=2, opcode=IBV_WR_SEND_WITH_IMM, imm_data=22,
+                                    sg=[verbs.SGE(a.mr.buf + 4096, 2000, a.mr.lkey)], send_flags=IBV_SEND_SIGNALED))
+        assert _wait_stat(b.ctx, "rnr_nack_sent", before + 1) > before
+        for i in (5, 6):
+            b.qp.post_recv(verbs.RecvWR(wr_id=i, sg=[verbs.SGE(b.mr.buf + 65536 * i, 4096, b.mr.lkey)]))
+        rwcs = b.cq.poll_blocking(2, timeout=10)
+        assert [(w.wr_id, w.status, w.opcode, w.byte_len, w.imm_data) for w in rwcs] == [
+            (5, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM, 3000, 11), (6, IBV_WC_SUCCESS, IBV_WC_RECV, 2000, 22)]
+        assert b.mr.read(3000, 8192) == b"W" * 3000 and b.mr.read(2000, 65536 * 6) == b"S" * 2000
+        swcs = a.cq.poll_blocking(2, timeout=10)
+        assert [(w.wr_id, w.status) for w in swcs] == [(1, IBV_WC_SUCCESS), (2, IBV_WC_SUCCESS)]
+        assert a.cq.poll(4)[0] == 0 and b.cq.poll(4)[0] == 0  # nothing twice
+    finally:
+        a.close()
+        b.close()
