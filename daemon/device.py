@@ -367,19 +367,17 @@ class Device:
             self.stats["rx_" + e.reason] += 1
             return
         try:
-            if env.kind == Kind.DDP:
+            kind = env.kind
+            if kind == Kind.DDP or kind == Kind.FLOW:
                 qp = self.qps.get(env.dst_qpn)
                 if qp is None or qp.link is not pl or qp.dest_qpn != env.src_qpn:
                     self.stats["rx_no_qp"] += 1
                     return
-                qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
-            elif env.kind == Kind.FLOW:
-                qp = self.qps.get(env.dst_qpn)
-                if qp is None or qp.link is not pl or qp.dest_qpn != env.src_qpn:
-                    self.stats["rx_no_qp"] += 1
-                    return
-                qp.on_flow(payload)
-            elif env.kind == Kind.CM and self.cm is not None:
+                if kind == Kind.DDP:
+                    qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
+                else:
+                    qp.on_flow(payload)
+            elif kind == Kind.CM and self.cm is not None:
                 self.cm.on_message(pl, payload)
             else:
                 self.stats["rx_unhandled_kind"] += 1

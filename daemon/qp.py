@@ -201,15 +201,10 @@ class CompletionQueue:
         return True
 
     def close(self) -> None:
-        self.ring.release()
-        for fd in (self.fd, self.eventfd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self.eventfd = -1
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
+        self.fd = _release_segment(self.fd, self.mm, self.ring)
+        if self.eventfd >= 0:
+            os.close(self.eventfd)
+            self.eventfd = -1
 
 
 def _signal(fd: int) -> None:
@@ -1188,13 +1183,9 @@ class QueuePair:
         hlen = rdmap.ddp.TAGGED_HEADER_LEN if raw[0] & rdmap.ddp.T_FLAG else rdmap.ddp.UNTAGGED_HEADER_LEN
         term = rdmap.Terminate(layer, etype, ecode, True, min(seglen + hlen, 0xFFFF), bytes(raw[:hlen]),
                                rdmap_header)
-        body = rdmap.encode_terminate(term)
-        buf = bytearray(_UNTAGGED_PREFIX + len(body))
-        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.TERMINATE, True, self.term_msn, 0)
-        self.term_msn = (self.term_msn + 1) & _U32
-        buf[_UNTAGGED_PREFIX:] = body
         if self.link is not None and self.link.up:
-            self.link.send(buf)
+            self._send_untagged(Opcode.TERMINATE, self.term_msn, rdmap.encode_terminate(term))
+        self.term_msn += 1
         self.terminated = True
         self.fatal(f"sent Terminate layer={layer} etype={etype} ecode={ecode:#x}",
                    EventType.IBV_EVENT_QP_ACCESS_ERR)
