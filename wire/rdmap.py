@@ -57,6 +57,8 @@ view of the payload.  The ``construct`` declarations below are the reference;
 from __future__ import annotations
 
 import enum
+import functools
+import operator
 import struct
 from typing import NamedTuple
 
@@ -254,6 +256,10 @@ RDMAP_SEGMENT = c.Struct(
     "payload" / c.Switch(
         _op, {int(op): c.Bytes(size) for op, size in SINGLE_SEGMENT.items() if size}, default=c.GreedyBytes
     ),
+    # Said again as a check: construct 2.10's compiled Bytes(n) returns a
+    # short read instead of failing (hypothesis found a 4-byte Immediate Data).
+    c.Check(functools.reduce(operator.and_, [
+        (_op != int(op)) | (c.len_(c.this.payload) == size) for op, size in SINGLE_SEGMENT.items() if size])),
     c.Check(
         (_op != Opcode.TERMINATE.value)
         | ((c.len_(c.this.payload) >= TERMINATE_MIN_LEN) & (c.len_(c.this.payload) <= TERMINATE_MAX_LEN))
