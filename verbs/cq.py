@@ -173,11 +173,13 @@ class CQ(Resource):
         ring = self._ring
         n = min(ring.available(), num_entries)
         out = []
-        for i in range(n):
-            e = ring.peek(i)
-            out.append(WC(e.wr_id, e.status, e.opcode, e.vendor_err, e.byte_len, e.qp_num, e.src_qp,
-                          e.imm_data, e.wc_flags))
         if n:
+            buf = ring.buf
+            unpack = shm.CQE.unpack_from
+            for i in range(n):
+                wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, src_qp, wc_flags = unpack(
+                    buf, ring.slot_offset(i))
+                out.append(WC(wr_id, status, opcode, vendor_err, byte_len, qp_num, src_qp, imm_data, wc_flags))
             ring.pop(n)
         return n, out
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from typing import Any
+import struct
+from collections.abc import Iterable
+from typing import Any, NoReturn
 
 from ..wire import ctl, shm
 from ..wire.ctl import Op
@@ -36,6 +38,10 @@ from .pd import PD
 
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
+# Plain ints for the per-WR tests: an IntFlag ``&`` runs Python-level enum code
+# (~1 µs), and naming an enum member is a class attribute lookup each time.
+_SEND_INLINE = int(SendFlags.IBV_SEND_INLINE)
+_NOT_SENDABLE = frozenset({S.IBV_QPS_RESET, S.IBV_QPS_INIT, S.IBV_QPS_RTR})
 
 
 class QPCap:
@@ -209,9 +215,35 @@ class RecvWR:
         self.next_wr = next_wr
 
 
+def _raise_as_cffi(slot: Any, fields: Iterable[tuple[str, Any]], err: struct.error) -> NoReturn:
+    """Re-raise a value ``pack_into`` refused as the error a cffi field store gives for it.
+
+    WQEs used to be written field by field through cffi, which raises
+    OverflowError / TypeError naming the C type; replaying the stores into
+    the (not yet pushed) slot keeps those exceptions for callers.
+    """
+    for name, value in fields:
+        setattr(slot, name, value)
+    raise err
+
+
+def _pack_sges(ring: shm.Ring, buf: memoryview, off: int, sg: list[Any], n: int) -> None:
+    """Write the first ``n`` SGEs of ``sg`` at ``buf[off:]`` (the slot ``ring`` is filling)."""
+    pack = shm.SGE.pack_into
+    for i in range(n):
+        s = sg[i]
+        try:
+            pack(buf, off, s.addr, s.length, s.lkey)
+        except struct.error as err:
+            _raise_as_cffi(ring.next_slot().sg[i], (("addr", s.addr), ("length", s.length), ("lkey", s.lkey)), err)
+        off += shm.SGE_SIZE
+
+
 def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> None:
     """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ) and ring the doorbell once."""
     posted = 0
+    buf = rq.buf
+    head, sg_offset = shm.RECV_WQE_HEAD, shm.RECV_WQE_SG_OFFSET
     try:
         while wr is not None:
             n = wr.num_sge
@@ -221,14 +253,13 @@ def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> N
                 raise VerbsError(f"num_sge {n} > max_recv_sge {max_sge}", errno.EINVAL)
             if rq.free() == 0:
                 raise VerbsError("receive queue full", errno.ENOMEM)
-            e = rq.next_slot()
-            e.wr_id = wr.wr_id & _U64
-            e.num_sge = n
-            for i in range(n):
-                s = wr.sg[i]
-                e.sg[i].addr = s.addr
-                e.sg[i].length = s.length
-                e.sg[i].lkey = s.lkey
+            off = rq.next_slot_offset()
+            wr_id = wr.wr_id & _U64
+            try:
+                head.pack_into(buf, off, wr_id, n)
+            except struct.error as err:
+                _raise_as_cffi(rq.next_slot(), (("wr_id", wr_id), ("num_sge", n)), err)
+            _pack_sges(rq, buf, off + sg_offset, wr.sg, n)
             rq.push()
             posted += 1
             wr = wr.next_wr
@@ -337,9 +368,11 @@ class QP(Resource):
             UserError: ``num_sge`` larger than the SGE list.
         """
         self._check_open()
-        if self.qp_state in (S.IBV_QPS_RESET, S.IBV_QPS_INIT, S.IBV_QPS_RTR):
+        if self.qp_state in _NOT_SENDABLE:
             raise VerbsError(f"post_send on a QP in {S(self.qp_state).name}", errno.EINVAL)
         sq = self._sq
+        buf = sq.buf
+        head, sg_offset = shm.SEND_WQE_HEAD, shm.SEND_WQE_SG_OFFSET
         cap = self.cap
         posted = 0
         try:
@@ -349,36 +382,32 @@ class QP(Resource):
                     raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
                 if sq.free() == 0:
                     raise VerbsError("send queue full", errno.ENOMEM)
-                e = sq.next_slot()
-                e.wr_id = wr.wr_id & _U64
-                e.opcode = wr.opcode
-                e.send_flags = wr.send_flags
-                e.imm_data = wr.imm_data & _U32
-                e.rkey = wr.rkey & _U32
-                e.remote_addr = wr.remote_addr & _U64
-                e.compare_add = wr.compare_add & _U64
-                e.swap = wr.swap & _U64
-                if wr.send_flags & SendFlags.IBV_SEND_INLINE:
+                off = sq.next_slot_offset()
+                inline = int(wr.send_flags) & _SEND_INLINE
+                if inline:
                     data = b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length))
                                     for s in wr.sg[:n])
-                    if len(data) > cap.max_inline_data:
-                        raise VerbsError(f"{len(data)} inline bytes > max_inline_data {cap.max_inline_data}",
+                    num_sge, inline_len = 0, len(data)
+                else:
+                    num_sge, inline_len = n, 0
+                try:
+                    head.pack_into(buf, off, wr.wr_id & _U64, wr.remote_addr & _U64, wr.opcode, wr.send_flags,
+                                   num_sge, wr.imm_data & _U32, wr.rkey & _U32, inline_len, wr.compare_add & _U64,
+                                   wr.swap & _U64)
+                except struct.error as err:
+                    # the masked fields always fit: one of these did not
+                    _raise_as_cffi(sq.next_slot(), (("opcode", wr.opcode), ("send_flags", wr.send_flags),
+                                                    ("num_sge", num_sge)), err)
+                off += sg_offset
+                if inline:
+                    if inline_len > cap.max_inline_data:
+                        raise VerbsError(f"{inline_len} inline bytes > max_inline_data {cap.max_inline_data}",
                                          errno.EINVAL)
-                    shm.ffi.memmove(e.inline_data, data, len(data))
-                    e.inline_len = len(data)
-                    e.num_sge = 0
+                    buf[off:off + inline_len] = data
                 else:
                     if n > cap.max_send_sge:
                         raise VerbsError(f"num_sge {n} > max_send_sge {cap.max_send_sge}", errno.EINVAL)
-                    sg = e.sg
-                    for i in range(n):
-                        s = wr.sg[i]
-                        d = sg[i]
-                        d.addr = s.addr
-                        d.length = s.length
-                        d.lkey = s.lkey
-                    e.num_sge = n
-                    e.inline_len = 0
+                    _pack_sges(sq, buf, off, wr.sg, n)
                 sq.push()
                 posted += 1
                 wr = wr.next_wr

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import re
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, strategies as st
 
+from udpverbs import verbs
+from udpverbs.verbs.cq import CQ
+from udpverbs.verbs.device import Resource
+from udpverbs.verbs.qp import QP, post_recv_ring
 from udpverbs.wire import ctl, shm
 from udpverbs.wire.errors import WireError
+
+from ..wire.strategies import SETTINGS, u32, u64
 
 
 def test_struct_sizes_and_offsets_are_fixed() -> None:
@@ -150,3 +159,193 @@ def test_runtime_dir_rule(monkeypatch) -> None:
     assert ctl.runtime_dir() == "/run/user/5/udpverbs"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert ctl.runtime_dir() == f"/tmp/udpverbs-{os.getuid()}"
+
+
+# --- the client's WQE / CQE fast paths against the daemon's (cffi) view ------------------
+
+
+class _Ctx:
+    """Stands in for a Context: counts doorbells instead of asking a daemon."""
+
+    _closed = False
+
+    def __init__(self) -> None:
+        self.doorbells = 0
+
+    def ring_doorbell(self) -> None:
+        self.doorbells += 1
+
+
+class _Rings:
+    """A QP's and a CQ's rings in plain memory, with the daemon-side Ring of each."""
+
+    def __init__(self, entries: int = 8, max_send_sge: int = 4, max_recv_sge: int = 4, max_inline: int = 64) -> None:
+        lay = shm.QPLayout(entries, entries)
+        qbuf = bytearray(lay.size)
+        self.ctx = _Ctx()
+        self.qp = QP.__new__(QP)
+        Resource.__init__(self.qp)
+        self.qp.ctx = self.ctx
+        self.qp.qp_state = shm.QPState.IBV_QPS_RTS
+        self.qp.cap = verbs.QPCap(entries, entries, max_send_sge, max_recv_sge, max_inline)
+        self.qp.srq = None
+        self.qp._sq = shm.Ring(qbuf, lay.sq_offset, "struct uv_send_wqe", entries, init=True)
+        self.qp._rq = shm.Ring(qbuf, lay.rq_offset, "struct uv_recv_wqe", entries, init=True)
+        self.sq = shm.Ring(qbuf, lay.sq_offset, "struct uv_send_wqe", entries)
+        self.rq = shm.Ring(qbuf, lay.rq_offset, "struct uv_recv_wqe", entries)
+        cbuf = bytearray(shm.ring_bytes(entries, shm.CQE_SIZE))
+        self.cq = CQ.__new__(CQ)
+        Resource.__init__(self.cq)
+        self.cq._ring = shm.Ring(cbuf, 0, "struct uv_cqe", entries)
+        self.cqr = shm.Ring(cbuf, 0, "struct uv_cqe", entries, init=True)
+
+
+def _cffi_store_error(ctype: str, field: str, value: Any) -> tuple[type[Exception], str]:
+    """What storing ``value`` into a cffi ``ctype`` field raises: WQEs were written that way."""
+    try:
+        setattr(shm.ffi.new(ctype + " *"), field, value)
+    except Exception as e:  # noqa: BLE001 - the exception itself is the result
+        return type(e), str(e)
+    raise AssertionError(f"{value!r} fits {ctype}.{field}")
+
+
+def _sgl(e: Any) -> list[tuple[int, int, int]]:
+    return [(e.sg[i].addr, e.sg[i].length, e.sg[i].lkey) for i in range(e.num_sge)]
+
+
+send_wrs = st.builds(
+    lambda wr_id, op, flags, imm, rkey, raddr, cmp, swp, sgl: _send_wr(wr_id, op, flags, imm, rkey, raddr, cmp,
+                                                                       swp, sgl),
+    st.integers(-(1 << 63), (1 << 64) - 1), st.sampled_from(list(shm.WrOpcode)),
+    st.sampled_from([0, shm.SendFlags.IBV_SEND_SIGNALED, shm.SendFlags.IBV_SEND_FENCE | 6]),
+    u32, u32, u64, u64, u64, st.lists(st.tuples(u64, u32, u32), max_size=4))
+
+
+def _send_wr(wr_id: int, op: int, flags: int, imm: int, rkey: int, raddr: int, cmp: int, swp: int,
+             sgl: list[tuple[int, int, int]]) -> verbs.SendWR:
+    wr = verbs.SendWR(wr_id=wr_id, opcode=op, imm_data=imm, send_flags=flags, sg=[verbs.SGE(*s) for s in sgl])
+    wr.set_wr_atomic(rkey, raddr, cmp, swp)
+    return wr
+
+
+@SETTINGS
+@given(st.lists(send_wrs, min_size=1, max_size=8))
+def test_post_send_writes_what_the_daemon_reads(wrs: list[verbs.SendWR]) -> None:
+    r = _Rings()
+    for a, b in zip(wrs, wrs[1:]):
+        a.next_wr = b
+    r.qp.post_send(wrs[0])
+    assert r.ctx.doorbells == 1 and r.sq.available() == len(wrs)
+    for i, wr in enumerate(wrs):
+        e = r.sq.peek(i)
+        assert (e.wr_id, e.remote_addr, e.opcode, e.send_flags, e.imm_data, e.rkey, e.compare_add, e.swap) == (
+            wr.wr_id & (2**64 - 1), wr.remote_addr, wr.opcode, wr.send_flags, wr.imm_data, wr.rkey,
+            wr.compare_add, wr.swap)
+        assert e.inline_len == 0 and _sgl(e) == [(s.addr, s.length, s.lkey) for s in wr.sg]
+
+
+def test_post_send_inline_copies_the_bytes() -> None:
+    r = _Rings()
+    parts = [shm.ffi.new("char[]", b"hello "), shm.ffi.new("char[]", b"world")]
+    sg = [verbs.SGE(int(shm.ffi.cast("uintptr_t", p)), len(p) - 1, 0) for p in parts]
+    r.qp.post_send(verbs.SendWR(wr_id=3, opcode=shm.WrOpcode.IBV_WR_SEND, sg=sg,
+                                send_flags=shm.SendFlags.IBV_SEND_INLINE | shm.SendFlags.IBV_SEND_SIGNALED))
+    e = r.sq.peek()
+    assert (e.wr_id, e.num_sge, e.inline_len) == (3, 0, 11)
+    assert bytes(e.inline_data)[:11] == b"hello world"
+    too_long = [verbs.SGE(sg[0].addr, 6, 0)] * 11
+    with pytest.raises(verbs.VerbsError, match="66 inline bytes > max_inline_data 64"):
+        r.qp.post_send(verbs.SendWR(opcode=shm.WrOpcode.IBV_WR_SEND, sg=too_long,
+                                    send_flags=shm.SendFlags.IBV_SEND_INLINE))
+    assert r.sq.available() == 1
+
+
+def test_post_send_errors_are_unchanged() -> None:
+    r = _Rings(entries=2, max_send_sge=1)
+    sge = verbs.SGE(0x1000, 8, 1)
+    ok = verbs.SendWR(wr_id=1, opcode=0, sg=[sge])
+    # values that do not fit their field: the exception cffi stores always raised
+    for bad, (ctype, field, value) in (
+            (verbs.SendWR(opcode=-1, sg=[sge]), ("struct uv_send_wqe", "opcode", -1)),
+            (verbs.SendWR(opcode=None, sg=[sge]), ("struct uv_send_wqe", "opcode", None)),
+            (verbs.SendWR(opcode=0, send_flags=1 << 32, sg=[sge]), ("struct uv_send_wqe", "send_flags", 1 << 32)),
+            (verbs.SendWR(opcode=0, sg=[verbs.SGE(0x1000, 1 << 32, 1)]), ("struct uv_sge", "length", 1 << 32)),
+            (verbs.SendWR(opcode=0, sg=[verbs.SGE(-1, 8, 1)]), ("struct uv_sge", "addr", -1)),
+            (verbs.SendWR(opcode=0, sg=[verbs.SGE(0x1000, 8, 2.0)]), ("struct uv_sge", "lkey", 2.0))):
+        exc, msg = _cffi_store_error(ctype, field, value)
+        with pytest.raises(exc, match=re.escape(msg)):
+            r.qp.post_send(bad)
+    with pytest.raises(verbs.VerbsError, match="num_sge 2 > max_send_sge 1") as e:
+        r.qp.post_send(verbs.SendWR(opcode=0, sg=[sge, sge]))
+    assert e.value.error_code == errno.EINVAL
+    with pytest.raises(verbs.UserError, match="num_sge=2 but 1 SGEs given"):
+        r.qp.post_send(verbs.SendWR(opcode=0, num_sge=2, sg=[sge]))
+    assert r.ctx.doorbells == 0 and r.sq.available() == 0  # nothing half-posted
+    # a chain failing at its third WR keeps the two before it, published once
+    ok.next_wr = verbs.SendWR(wr_id=2, opcode=0, sg=[sge], next_wr=verbs.SendWR(opcode=0, sg=[sge]))
+    with pytest.raises(verbs.VerbsError) as e:
+        r.qp.post_send(ok)
+    assert e.value.error_code == errno.ENOMEM
+    assert r.ctx.doorbells == 1 and [r.sq.peek(i).wr_id for i in range(r.sq.available())] == [1, 2]
+    r.qp.qp_state = shm.QPState.IBV_QPS_RTR
+    with pytest.raises(verbs.VerbsError, match="post_send on a QP in IBV_QPS_RTR"):
+        r.qp.post_send(verbs.SendWR(opcode=0, sg=[sge]))
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(-(1 << 63), (1 << 64) - 1), st.lists(st.tuples(u64, u32, u32), max_size=4)),
+                min_size=1, max_size=8), st.booleans())
+def test_post_recv_writes_what_the_daemon_reads(wrs: list[tuple[int, list[tuple[int, int, int]]]],
+                                                srq: bool) -> None:
+    r = _Rings()
+    chain = None
+    for wr_id, sgl in reversed(wrs):
+        chain = verbs.RecvWR(wr_id=wr_id, sg=[verbs.SGE(*s) for s in sgl], next_wr=chain)
+    if srq:  # the SRQ posts through the same routine, into its own ring
+        post_recv_ring(r.ctx, r.qp._rq, chain, 4)
+    else:
+        r.qp.post_recv(chain)
+    assert r.ctx.doorbells == 1 and r.rq.available() == len(wrs)
+    assert [(r.rq.peek(i).wr_id, _sgl(r.rq.peek(i))) for i in range(len(wrs))] == [
+        (wr_id & (2**64 - 1), sgl) for wr_id, sgl in wrs]
+
+
+def test_post_recv_errors_are_unchanged() -> None:
+    r = _Rings(entries=1, max_recv_sge=1)
+    sge = verbs.SGE(0x1000, 8, 1)
+    exc, msg = _cffi_store_error("struct uv_sge", "length", -8)
+    with pytest.raises(exc, match=re.escape(msg)):
+        r.qp.post_recv(verbs.RecvWR(sg=[verbs.SGE(0x1000, -8, 1)]))
+    exc, msg = _cffi_store_error("struct uv_recv_wqe", "num_sge", -1)
+    with pytest.raises(exc, match=re.escape(msg)):
+        r.qp.post_recv(verbs.RecvWR(num_sge=-1))
+    with pytest.raises(verbs.VerbsError, match="num_sge 2 > max_recv_sge 1"):
+        r.qp.post_recv(verbs.RecvWR(sg=[sge, sge]))
+    with pytest.raises(verbs.UserError, match="num_sge=3 but 1 SGEs given"):
+        r.qp.post_recv(verbs.RecvWR(num_sge=3, sg=[sge]))
+    r.qp.post_recv(verbs.RecvWR(wr_id=5, sg=[sge]))
+    with pytest.raises(verbs.VerbsError, match="receive queue full"):
+        r.qp.post_recv(verbs.RecvWR(sg=[sge]))
+    assert r.ctx.doorbells == 1 and r.rq.available() == 1 and r.rq.peek().wr_id == 5
+
+
+@SETTINGS
+@given(st.lists(st.tuples(*[u64] + [u32] * 8), min_size=1, max_size=8), st.integers(0, 8), st.integers(1, 9))
+def test_poll_returns_what_the_daemon_wrote(cqes: list[tuple[int, ...]], skip: int, batch: int) -> None:
+    r = _Rings()
+    r.cqr.prod = r.cq._ring.cons = skip  # somewhere other than slot 0
+    r.cqr.publish()
+    for c in cqes:
+        e = r.cqr.next_slot()
+        for f, v in zip(shm.CQE_FIELDS, c):
+            setattr(e, f, v)
+        r.cqr.push()
+    r.cqr.publish()
+    got: list[tuple[int, ...]] = []
+    while len(got) < len(cqes):
+        n, wcs = r.cq.poll(batch)
+        assert n == len(wcs) == min(batch, len(cqes) - len(got))
+        got += [tuple(getattr(w, f) for f in shm.CQE_FIELDS) for w in wcs]
+    assert got == cqes
+    assert r.cq.poll(batch) == (0, [])
+    assert r.cqr.free() == 8  # consumed and published
