@@ -89,6 +89,7 @@ _RETX = int(wl.LinkFlags.RETRANSMISSION)
 _Header = wl.LinkHeader
 _TN = tuple.__new__  # builds a NamedTuple without its Python-level __new__
 _encode = wl.encode
+_encode_fields = wl.encode_fields
 _decode = wl.decode_untrusted
 
 
@@ -644,15 +645,20 @@ class Link:
         return w
 
     def _control(self, ptype: int, flags: int, now: float) -> bytes:
-        return _encode(_TN(_Header, (
-            ptype, flags, self.path_id, self.peer_tag, (self.isn + self._snd_nxt) & _U32,
-            (self.peer_isn + self.rcv_nxt) & _U32, int(now * 1e6) & _U32, self._echo(now),
-            self._advertised_window(), self._sack_blocks() if self._ranges else ())))
+        fields = (ptype, flags, self.path_id, self.peer_tag, (self.isn + self._snd_nxt) & _U32,
+                  (self.peer_isn + self.rcv_nxt) & _U32, int(now * 1e6) & _U32, self._echo(now),
+                  self._advertised_window())
+        if self._ranges:
+            return _encode(_TN(_Header, (*fields, self._sack_blocks())))
+        return _encode_fields(*fields)
 
     # --- sending ------------------------------------------------------------
 
     def send(self, message: bytes | bytearray | memoryview, now: float) -> int:
         """Queue one message; returns its number n (0, 1, 2, ...).
+
+        A ``bytearray`` is kept, not copied: the caller must not change it
+        afterwards (it may be retransmitted).
 
         Raises:
             ValueError: longer than ``config.max_payload``.
@@ -663,7 +669,11 @@ class Link:
         if self.state >= LinkState.CLOSED:
             raise RuntimeError(f"send() on a {self.state.name} link")
         n = self._next_n
-        self.recovery.messages[n] = bytes(message)
+        # bytes and bytearray are kept by reference (the caller hands them
+        # over: a segment is built once per send); a view may alias memory
+        # that changes, so it is copied.
+        t = type(message)
+        self.recovery.messages[n] = message if t is bytes or t is bytearray else bytes(message)
         self._next_n = n + 1
         return n
 
@@ -675,12 +685,20 @@ class Link:
     def datagrams_to_send(self, now: float) -> list[bytes]:
         """Complete link packets that may leave now (cwnd, rwnd and pacing respected)."""
         out = self._out
+        rec = self.recovery
+        if (not out and self._snd_nxt >= self._next_n and not rec.lost and not self._ack_now
+                and (self._ack_deadline is None and not self._ack_count
+                     or self._ack_deadline is not None and now < self._ack_deadline)
+                and self.state == _ESTABLISHED):
+            # Nothing to send and no ACK due: the data loop's idle pass.
+            self._pace_deadline = None
+            self._cwnd_limited = rec.bytes_in_flight * 2 >= self.cc.cwnd_bytes
+            return []
         self._out = []
         self._pace_deadline = None
         if self.state != LinkState.ESTABLISHED:
             self.stats.datagrams_sent += len(out)
             return out
-        rec = self.recovery
         lost = rec.lost
         snd_nxt = self._snd_nxt
         limit = self._next_n
@@ -750,8 +768,12 @@ class Link:
                     # ACK_NOW on the last queued message, so the peer does
                     # not hold the ACK of a burst's tail for max_ack_delay_s.
                     flags = _ACK_NOW if snd_nxt >= next_n else 0
-                out.append(_encode(_TN(_Header, (_DATA, flags, path_id, peer_tag, (isn + n) & _U32,
-                                                 ack, ts, echo, rwnd, sack)), body))
+                if sack:
+                    out.append(_encode(_TN(_Header, (_DATA, flags, path_id, peer_tag, (isn + n) & _U32,
+                                                     ack, ts, echo, rwnd, sack)), body))
+                else:
+                    out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo,
+                                              rwnd, body))
                 rec.on_sent(n, size, retx)
                 pacer.on_sent(size, now)
                 sent += 1
@@ -847,6 +869,11 @@ class Link:
         self.pacer.next_send_s = -INF  # the retransmission leaves at once (§5.4)
 
     # --- events -------------------------------------------------------------
+
+    @property
+    def has_events(self) -> bool:
+        """True if ``next_event`` has something (cheaper than popping)."""
+        return bool(self._events)
 
     def next_event(self) -> LinkEvent | None:
         """Pop the next control event, or None."""

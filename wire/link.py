@@ -151,6 +151,23 @@ def encode(h: LinkHeader, body: bytes | bytearray | memoryview = b"") -> bytes:
     return b"".join((head, body, _CRC.pack(_crc32c(body, _crc32c(head)))))
 
 
+def encode_fields(ptype: int, flags: int, path_id: int, conn_tag: int, seq: int, ack: int, ts_us: int,
+                  ts_echo_us: int, rwnd: int, body: bytes | bytearray | memoryview = b"") -> bytes:
+    """``encode`` for a packet without SACK blocks, from plain fields.
+
+    The per-packet path of a sender: no ``LinkHeader`` to build and no SACK
+    to look at.  Same bytes as ``encode(LinkHeader(...), body)``.
+
+    Raises:
+        ValueError: a field out of range (a caller bug).
+    """
+    try:
+        head = _HDR.pack(LINK_VERSION, ptype, flags, path_id, conn_tag, seq, ack, ts_us, ts_echo_us, rwnd, 0, 0)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return b"".join((head, body, _CRC.pack(_crc32c(body, _crc32c(head)))))
+
+
 def decode_untrusted(datagram: bytes | bytearray | memoryview) -> tuple[LinkHeader, memoryview]:
     """Check and parse a link packet from the network.
 

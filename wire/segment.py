@@ -17,6 +17,8 @@ Every check lives in ``envelope`` and ``rdmap``; this module only fuses their
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Any
 
 from . import envelope, rdmap
 from .envelope import ENVELOPE_LEN, MAX_QPN, Envelope, Kind
@@ -94,6 +96,27 @@ def pack_tagged_into(
     except struct.error as e:
         raise ValueError(str(e)) from None
     return TAGGED_PREFIX_LEN
+
+
+def tagged_packer(dst_qpn: int, src_qpn: int, opcode: int) -> Callable[[Any, bool, int, int], None]:
+    """Return ``pack(buf, last, stag, to)``: ``pack_tagged_into(buf, 0, dst_qpn, src_qpn, opcode, last, stag, to)``
+    with the QPNs and the opcode checked once, here, instead of per segment.
+
+    Raises:
+        ValueError: a QPN or the opcode is out of range (now); ``pack`` raises
+            struct.error for a ``stag``/``to`` out of range.
+    """
+    _check_qpns(dst_qpn, src_qpn)
+    more = rdmap.tagged_control(opcode, False)
+    last_ctl = rdmap.tagged_control(opcode, True)
+    w0 = _DDP_WORD | dst_qpn
+    pack_into = _ENV_TAGGED.pack_into
+
+    def pack(buf: Any, last: bool, stag: int, to: int) -> None:
+        ctrl, rctl = last_ctl if last else more
+        pack_into(buf, 0, w0, src_qpn, ctrl, rctl, stag, to)
+
+    return pack
 
 
 def pack_untagged_into(

@@ -203,3 +203,21 @@ def _dispatch(data: bytes) -> tuple[object, ...]:
 def test_arbitrary_bytes_raise_only_wire_error(data: bytes) -> None:
     outcome(_fast, data)
     outcome(_fast, b"\x01" + data)  # force the DDP branch
+
+
+@SETTINGS
+@given(u24, u24, st.sampled_from([Opcode.RDMA_WRITE, Opcode.RDMA_READ_RESPONSE]), st.booleans(),
+       st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1))
+def test_tagged_packer_is_pack_tagged_into(dst: int, src: int, op: int, last: bool, stag: int, to: int) -> None:
+    # The Write path's per-QP packer writes what pack_tagged_into writes.
+    a, b = bytearray(segment.TAGGED_PREFIX_LEN), bytearray(segment.TAGGED_PREFIX_LEN)
+    segment.pack_tagged_into(a, 0, dst, src, op, last, stag, to)
+    segment.tagged_packer(dst, src, op)(b, last, stag, to)
+    assert a == b
+
+
+def test_tagged_packer_checks_once_at_creation() -> None:
+    with pytest.raises(ValueError):
+        segment.tagged_packer(envelope.MAX_QPN + 1, 1, Opcode.RDMA_WRITE)
+    with pytest.raises(ValueError):
+        segment.tagged_packer(1, 1, Opcode.SEND)
