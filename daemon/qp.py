@@ -115,6 +115,19 @@ _REMOTE_READ = int(A.IBV_ACCESS_REMOTE_READ)
 _LOCAL_WRITE = int(A.IBV_ACCESS_LOCAL_WRITE)
 _RTS = int(S.IBV_QPS_RTS)
 _OP_WRITE = int(Opcode.RDMA_WRITE)
+_SEND_FENCE = int(SendFlags.IBV_SEND_FENCE)
+_SEND_SIGNALED = int(SendFlags.IBV_SEND_SIGNALED)
+_SEND_INLINE = int(SendFlags.IBV_SEND_INLINE)
+_SEND_SOLICITED = int(SendFlags.IBV_SEND_SOLICITED)
+_WR_READ = int(WrOpcode.IBV_WR_RDMA_READ)
+_WC_SUCCESS = int(W.IBV_WC_SUCCESS)
+_SEND_WQE_HEAD = shm.SEND_WQE_HEAD
+_SG_OFFSET = shm.SEND_WQE_SG_OFFSET
+_SGE = shm.SGE
+_SGE_SIZE = shm.SGE_SIZE
+_RECV_WQE_HEAD = shm.RECV_WQE_HEAD
+_RECV_SG_OFFSET = shm.RECV_WQE_SG_OFFSET
+_CQE = shm.CQE
 _OP_READ_RESPONSE = int(Opcode.RDMA_READ_RESPONSE)
 
 # tables check codes -> (Terminate error code, requester WC status)
@@ -176,16 +189,8 @@ class CompletionQueue:
                 r.hdr.overrun = 1
                 self.session.async_event(EventType.IBV_EVENT_CQ_ERR, self.handle)
             return False
-        e = r.next_slot()
-        e.wr_id = wr_id
-        e.status = status
-        e.opcode = opcode
-        e.vendor_err = vendor_err
-        e.byte_len = byte_len & _U32
-        e.imm_data = imm_data
-        e.qp_num = qp_num
-        e.src_qp = src_qp
-        e.wc_flags = wc_flags
+        _CQE.pack_into(r.buf, r.next_slot_offset(), wr_id, status, opcode, vendor_err, byte_len & _U32, imm_data,
+                       qp_num, src_qp, wc_flags)
         r.push()
         r.publish()
         shm.full_fence()  # the CQE must be visible before we read ``armed`` (the app does the mirror)
@@ -273,7 +278,7 @@ class OutWR:
         self.byte_len = byte_len
         self.last_n = -1  # link message number of the last message; -1 until all are queued
         self.done = False  # complete regardless of link acks (Read placed, or failed)
-        self.status = W.IBV_WC_SUCCESS
+        self.status = _WC_SUCCESS
         self.rkey = 0
         self.raddr = 0
         self.sink_stag = -1
@@ -472,6 +477,9 @@ class QueuePair:
         self.rx_rnr = False  # NACKed rx_msn: drop queue-0 messages until it comes again from MO 0
         self.rx_resume_sent = False
         self.flow_ack_due = False
+        # the Write segment header packer for the current peer QP (segment.tagged_packer)
+        self._write_packer: Any = None
+        self._write_packer_dest = -1
         self.rx_atomic_msn = 1
         self.atomic_replay: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self.terminated = False
@@ -524,7 +532,7 @@ class QueuePair:
 
     # -- completions --------------------------------------------------------
     def _complete(self, wr: OutWR) -> None:
-        if wr.status != W.IBV_WC_SUCCESS or wr.signaled:
+        if wr.status != _WC_SUCCESS or wr.signaled:
             self.send_cq.push(wr.wr_id, wr.status, wr.wc_opcode, wr.byte_len if wr.status == 0 else 0,
                               self.qpn, self.dest_qpn)
 
@@ -587,19 +595,19 @@ class QueuePair:
         return did
 
     # -- requester ----------------------------------------------------------
-    def _resolve(self, wqe: Any, n: int, access: int) -> _Gather | None:
-        """Resolve a WQE's SGE list against the STag table; None on violation."""
+    def _resolve(self, buf: memoryview, sg_offset: int, n: int, access: int) -> _Gather | None:
+        """Resolve the SGE list at ``buf[sg_offset:]`` against the STag table; None on violation."""
         pieces = []
         stags = self.device.stags
+        unpack_sge = _SGE.unpack_from
         for i in range(n):
-            sge = wqe.sg[i]
-            length = sge.length
+            addr, length, lkey = unpack_sge(buf, sg_offset + i * _SGE_SIZE)
             if length == 0:
                 continue
-            mr = stags.lookup(sge.lkey)
+            mr = stags.lookup(lkey)
             if mr is None:
                 return None
-            code, off = mr.check(self.pd, access, sge.addr, length, tagged=False)
+            code, off = mr.check(self.pd, access, addr, length, tagged=False)
             if code:
                 return None
             pieces.append((mr.view, off, length))
@@ -614,50 +622,49 @@ class QueuePair:
         except shm.RingError as e:
             self.fatal(f"send queue corrupt: {e}")
             return True
-        w = sq.peek()
-        opcode = int(w.opcode)
-        flags = int(w.send_flags)
-        reads_remote = opcode == WrOpcode.IBV_WR_RDMA_READ or opcode in _ATOMIC_WR
+        buf = sq.buf
+        at = sq.slot_offset()
+        # One unpack for the whole WQE header: cffi would cost a call per field.
+        (wr_id, raddr, opcode, flags, num_sge, imm, rkey, inline_len, compare_add,
+         swap) = _SEND_WQE_HEAD.unpack_from(buf, at)
+        reads_remote = opcode == _WR_READ or opcode in _ATOMIC_WR
         if reads_remote and len(self.orrq) >= self.ord:
             return False  # ORD reached: wait for a response (RFC 5040 §6.5; atomics share it, RFC 7306 §6)
-        if flags & SendFlags.IBV_SEND_FENCE and self.orrq:
+        if flags & _SEND_FENCE and self.orrq:
             return False  # fence: earlier Reads and atomics must finish first
-        signaled = bool(self.sq_sig_all or flags & SendFlags.IBV_SEND_SIGNALED)
-        wr = OutWR(int(w.wr_id), _wc_opcode(opcode), signaled, 0)
-        num_sge = int(w.num_sge)
-        rkey, raddr, imm = int(w.rkey), int(w.remote_addr), int(w.imm_data)
-        status = W.IBV_WC_SUCCESS
+        signaled = bool(self.sq_sig_all or flags & _SEND_SIGNALED)
+        wr = OutWR(wr_id, _wc_opcode(opcode), signaled, 0)
+        status = _WC_SUCCESS
         gather = None
         if opcode not in _SUPPORTED_WR:
             status = W.IBV_WC_LOC_QP_OP_ERR
-        elif flags & SendFlags.IBV_SEND_INLINE and not reads_remote:
-            n = int(w.inline_len)
+        elif flags & _SEND_INLINE and not reads_remote:
+            n = inline_len
             if n > min(shm.MAX_INLINE, self.caps["max_inline_data"]):
                 status = W.IBV_WC_LOC_LEN_ERR
             else:
-                data = bytes(shm.ffi.buffer(w.inline_data, n))
+                data = bytes(buf[at + _SG_OFFSET:at + _SG_OFFSET + n])
                 gather = _Gather([(memoryview(data), 0, n)] if n else [])
         elif num_sge > self.caps["max_send_sge"]:
             status = W.IBV_WC_LOC_LEN_ERR
         else:
-            gather = self._resolve(w, num_sge, _LOCAL_WRITE if reads_remote else 0)
+            gather = self._resolve(buf, at + _SG_OFFSET, num_sge, _LOCAL_WRITE if reads_remote else 0)
             if gather is None:
                 status = W.IBV_WC_LOC_PROT_ERR
             elif opcode in _ATOMIC_WR and gather.total != 8:
                 status = W.IBV_WC_LOC_LEN_ERR  # the original value is one 64-bit word
-        compare_add, swap = int(w.compare_add), int(w.swap)
         sq.pop()
         if gather is not None:
             wr.byte_len = gather.total
         wr.rkey, wr.raddr = rkey, raddr
         self.outstanding.append(wr)
-        if status != W.IBV_WC_SUCCESS or gather is None:
-            wr.status = status if status != W.IBV_WC_SUCCESS else W.IBV_WC_GENERAL_ERR
+        if status != _WC_SUCCESS or gather is None:
+            wr.status = status if status != _WC_SUCCESS else W.IBV_WC_GENERAL_ERR
             wr.done = True
             self.fatal(f"local error on wr {wr.wr_id}: {W(wr.status).name}", EventType.IBV_EVENT_QP_REQ_ERR)
             return True
-        solicited = bool(flags & SendFlags.IBV_SEND_SOLICITED)
-        if opcode == WrOpcode.IBV_WR_RDMA_READ:
+        solicited = bool(flags & _SEND_SOLICITED)
+        if opcode == _WR_READ:
             self._send_read_request(wr, gather, rkey, raddr)
         elif opcode in _ATOMIC_WR:
             self._send_atomic_request(wr, gather, _ATOMIC_WR[opcode], rkey, raddr, compare_add, swap)
@@ -717,6 +724,9 @@ class QueuePair:
         link = self.link
         if link is None or not link.up:
             return 0
+        if (not self.irrq and self.sending is None and self.q0_cursor >= len(self.q0) and not self.flow_ack_due
+                and not (self.rx_rnr and not self.rx_resume_sent) and self.sq.hdr.producer == self.sq.cons):
+            return 0  # nothing to send: the common case of every idle pass
         if self.flow_ack_due or (self.rx_rnr and not self.rx_resume_sent):
             self._send_flow_control()
         sent = 0
@@ -750,8 +760,10 @@ class QueuePair:
             n = min(max_data, s.gather.total - s.sent)
             last = s.sent + n == s.gather.total
             buf = bytearray(_TAGGED_PREFIX + n)
-            segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, last,
-                                     s.wr.rkey, (s.wr.raddr + s.sent) & _U64)
+            if self._write_packer_dest != self.dest_qpn:
+                self._write_packer = segment.tagged_packer(self.dest_qpn, self.qpn, Opcode.RDMA_WRITE)
+                self._write_packer_dest = self.dest_qpn
+            self._write_packer(buf, last, s.wr.rkey, (s.wr.raddr + s.sent) & _U64)
             if n:
                 s.gather.copy_out(buf, _TAGGED_PREFIX, n)
             s.sent += n
@@ -1011,10 +1023,10 @@ class QueuePair:
             code = int(self.attrs["min_rnr_timer"])
             self._send_flow(FlowType.RNR_NACK, self.rx_msn, RNR_TIMER_US[code if 0 <= code < 32 else 0])
             return False
-        w = rq.peek()
-        n = int(w.num_sge)
-        gather = self._resolve(w, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
-        self.rx_recv = (int(w.wr_id), gather)
+        at = rq.slot_offset()
+        wr_id, n = _RECV_WQE_HEAD.unpack_from(rq.buf, at)
+        gather = self._resolve(rq.buf, at + _RECV_SG_OFFSET, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
+        self.rx_recv = (wr_id, gather)
         self.rx_placed = 0
         rq.pop()
         if self.srq is not None:
@@ -1295,5 +1307,9 @@ _WC_OF_WR = {
 }
 
 
+_WC_OF_WR_INT = {int(k): int(v) for k, v in _WC_OF_WR.items()}
+_WC_SEND = int(WcOpcode.IBV_WC_SEND)
+
+
 def _wc_opcode(wr_opcode: int) -> int:
-    return int(_WC_OF_WR.get(wr_opcode, WcOpcode.IBV_WC_SEND))
+    return _WC_OF_WR_INT.get(wr_opcode, _WC_SEND)
