@@ -57,11 +57,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link", action="append", default=[], metavar="KEY=VALUE",
                    help="a transport.LinkConfig field, e.g. --link dead_peer_s=1.0 (repeatable)")
     p.add_argument("--seed", type=int, help="seed of the daemon's random numbers (tags, ISNs)")
+    p.add_argument("--no-gso", dest="gso", action="store_const", const=False,
+                   help="send and receive every datagram with its own system call (no UDP_SEGMENT / UDP_GRO batching)")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
 
-_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc")
+_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso")
 
 
 def load(argv: list[str] | None = None) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
-                           "cc": "efe-host"}
+                           "cc": "efe-host", "gso": True}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
@@ -86,6 +88,8 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
         v = getattr(args, k)
         if v is not None:
             cfg[k] = v
+    if not isinstance(cfg["gso"], bool):
+        raise ValueError(f"gso must be true or false, not {cfg['gso']!r}")
     if not 576 - 28 <= int(cfg["mtu"]) <= 65507:
         raise ValueError(f"mtu {cfg['mtu']} out of range 548..65507")
     link = dict(cfg.pop("link", {}) or {})

@@ -1,0 +1,183 @@
+"""Datagram batching: UDP_SEGMENT sends, UDP_GRO receives, and what happens without them.
+
+Two real ``Device`` objects in one process, on loopback, with a QP each in
+RTS towards the other; the test posts RDMA Writes into the SQ ring by hand
+and turns both data loops (``poll_once``) itself, so nothing depends on
+scheduling.  The grouping rules of ``_send_segmented`` and its fallback are
+checked against a recording socket.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+from typing import Any
+
+import pytest
+import trio
+
+from udpverbs.daemon import device as devmod
+from udpverbs.daemon import tables
+from udpverbs.daemon.control import Session, modify_qp
+from udpverbs.daemon.device import Device, DeviceConfig
+from udpverbs.daemon.qp import CompletionQueue, QueuePair
+from udpverbs.wire import ctl, shm
+from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
+
+ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ
+MR_LEN = 1 << 20
+
+
+class Host:
+    """One device with a PD, one MR and one QP (number 1)."""
+
+    def __init__(self, ip: str, *, gso: bool, mtu: int = 1472) -> None:
+        self.dev = Device(DeviceConfig(addr=ip, port=0, seed=hash(ip) & 0xFFFF, mtu=mtu, gso=gso))
+        self.dev.bind()
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sess = Session(self.dev, trio.socket.from_stdlib_socket(a), pid=1)
+        b.close()
+        self.dev.sessions.add(self.sess)
+        pd = tables.ProtectionDomain(1, self.sess)
+        _, mm = shm.new_segment(MR_LEN, "batching")
+        self.mr = tables.MemoryRegion(1, pd, ALL, 0x100000, MR_LEN, mm)
+        self.dev.stags.register(self.mr)
+        self.cq = CompletionQueue(1, self.sess, 256, None)
+        self.qp = QueuePair(self.dev, 1, self.sess, pd, self.cq, self.cq,
+                            {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 1, "max_recv_sge": 1,
+                             "max_inline_data": 0}, False)
+        self.dev.qps[1] = self.qp
+
+    def connect(self, peer: "Host") -> None:
+        qp = self.qp
+        attrs = dict(qp.attrs, qp_state=S.IBV_QPS_INIT, qp_access_flags=ALL)
+        modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_PKEY_INDEX | M.IBV_QP_PORT | M.IBV_QP_ACCESS_FLAGS, attrs)
+        attrs.update(qp_state=S.IBV_QPS_RTR, dgid=ctl.gid_from_ip(peer.dev.config.addr), dlid=peer.dev.config.port,
+                     dest_qp_num=1, max_dest_rd_atomic=1)
+        modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_AV | M.IBV_QP_PATH_MTU | M.IBV_QP_DEST_QPN | M.IBV_QP_RQ_PSN
+                  | M.IBV_QP_MAX_DEST_RD_ATOMIC | M.IBV_QP_MIN_RNR_TIMER, attrs)
+        attrs.update(qp_state=S.IBV_QPS_RTS, max_rd_atomic=1)
+        modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_SQ_PSN | M.IBV_QP_TIMEOUT | M.IBV_QP_RETRY_CNT | M.IBV_QP_RNR_RETRY
+                  | M.IBV_QP_MAX_QP_RD_ATOMIC, attrs)
+
+    def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int) -> None:
+        ring = self.qp.sq
+        ring.prod = ring.hdr.producer
+        at = ring.next_slot_offset()
+        shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(WrOpcode.IBV_WR_RDMA_WRITE),
+                                    int(shm.SendFlags.IBV_SEND_SIGNALED), 1, 0, peer.mr.stag, 0, 0, 0)
+        shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET, self.mr.addr + src_off, length, self.mr.stag)
+        ring.push()
+        ring.publish()
+
+    def completions(self) -> list[tuple[int, int]]:
+        ring = self.cq.ring
+        out = []
+        while ring.available():
+            wr_id, status, *_ = shm.CQE.unpack_from(ring.buf, ring.slot_offset())
+            out.append((wr_id, status))
+            ring.pop()
+        return out
+
+
+async def _write_and_check(*, gso: bool, mtu: int, length: int) -> tuple[Host, Host]:
+    a, b = Host("127.0.0.2", gso=gso, mtu=mtu), Host("127.0.0.3", gso=gso, mtu=mtu)
+    a.connect(b)
+    b.connect(a)
+    rng = random.Random(length)
+    a.mr.view[:length] = rng.randbytes(length)
+    for _ in range(200):  # the link handshake: real sockets, so give the datagrams a moment
+        a.dev.poll_once()
+        b.dev.poll_once()
+        if a.qp.link.link.state == b.qp.link.link.state == a.qp.link.link.state.ESTABLISHED:
+            break
+        await trio.sleep(0.001)
+    a.post_write(7, 0, length, b, 4096)
+    done: list[tuple[int, int]] = []
+    for _ in range(20000):
+        a.dev.poll_once()
+        b.dev.poll_once()
+        done += a.completions()
+        if done:
+            break
+    assert done == [(7, W.IBV_WC_SUCCESS)]
+    assert bytes(b.mr.view[4096:4096 + length]) == bytes(a.mr.view[:length])
+    assert bytes(b.mr.view[:4096]) == bytes(4096)  # nothing outside the target range
+    return a, b
+
+
+async def test_a_write_crosses_in_gso_batches_and_arrives_byte_exact() -> None:
+    a, b = await _write_and_check(gso=True, mtu=1472, length=300_000)
+    if not (a.dev.gso and b.dev.gro):
+        pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
+    assert a.dev.stats["tx_gso_sends"] > 0
+    assert b.dev.stats["rx_gro_batches"] > 0  # several datagrams arrived in one receive
+    assert a.dev.dump_stats().get("link_retransmits", 0) == 0
+
+
+async def test_without_gso_every_datagram_is_its_own_system_call() -> None:
+    a, b = await _write_and_check(gso=False, mtu=1472, length=100_000)
+    assert not a.dev.gso and not b.dev.gro
+    assert a.dev.stats["tx_gso_sends"] == 0 and b.dev.stats["rx_gro_batches"] == 0
+
+
+class RecordingSocket:
+    """Stands in for the UDP socket in ``_send_segmented``: records each send."""
+
+    def __init__(self, refuse_gso: bool = False) -> None:
+        self.sends: list[tuple[str, list[bytes], int]] = []
+        self.refuse_gso = refuse_gso
+
+    def sendto(self, data: bytes, addr: Any) -> int:
+        self.sends.append(("sendto", [data], len(data)))
+        return len(data)
+
+    def sendmsg(self, buffers: list[bytes], anc: list[tuple[int, int, bytes]], flags: int, addr: Any) -> int:
+        if self.refuse_gso:
+            raise OSError(errno.EIO, "no segmentation here")
+        ((level, kind, data),) = anc
+        assert (level, kind) == (devmod.SOL_UDP, devmod.UDP_SEGMENT)
+        self.sends.append(("gso", list(buffers), int.from_bytes(data, "little")))
+        return sum(map(len, buffers))
+
+
+def _datagrams(*sizes: int) -> list[bytes]:
+    return [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+
+
+@pytest.mark.parametrize(("sizes", "expect"), [
+    # equal sizes: runs of at most 64 datagrams
+    ((1000,) * 70, [("gso", 64, 1000), ("gso", 6, 1000)]),
+    # a shorter datagram ends a run; a run of one goes by sendto
+    ((1000, 1000, 500, 1000), [("gso", 3, 1000), ("sendto", 1, 1000)]),
+    ((500, 1000, 1000), [("sendto", 1, 500), ("gso", 2, 1000)]),
+    # at most GSO_MAX_BYTES in one send: 44 × 1472 fits, 45 do not
+    ((1472,) * 45, [("gso", 44, 1472), ("sendto", 1, 1472)]),
+    # a lone ACK between data
+    ((1472, 1472, 40, 40, 40), [("gso", 3, 1472), ("gso", 2, 40)]),
+])
+def test_segmented_sends_group_equal_sizes(sizes: tuple[int, ...], expect: list[tuple[str, int, int]]) -> None:
+    dev = Device(DeviceConfig(port=0))
+    rec = RecordingSocket()
+    dev.sock = rec  # type: ignore[assignment]
+    out = _datagrams(*sizes)
+    dev._send_segmented(out, ("127.0.0.9", 9))
+    assert [(kind, len(bufs), size) for kind, bufs, size in rec.sends] == expect
+    assert [d for _, bufs, _ in rec.sends for d in bufs] == out  # every datagram once, in order
+    dev.sock = None
+    dev.close()
+
+
+def test_a_kernel_that_refuses_segmentation_gets_every_datagram_one_by_one() -> None:
+    dev = Device(DeviceConfig(port=0))
+    dev.gso = True
+    rec = RecordingSocket(refuse_gso=True)
+    dev.sock = rec  # type: ignore[assignment]
+    out = _datagrams(100, 1000, 1000, 1000, 40)
+    dev._send_segmented(out, ("127.0.0.9", 9))
+    assert [bufs[0] for _, bufs, _ in rec.sends] == out
+    assert all(kind == "sendto" for kind, _, _ in rec.sends)
+    assert dev.gso is False  # and it stays off
+    dev.sock = None
+    dev.close()
