@@ -69,7 +69,12 @@ from .qp import QueuePair
 log = logging.getLogger("udpverbs.daemon")
 
 MAX_LINKS = 1024
-_RX_BATCH = 512
+#: datagrams one pass reads before it dispatches, ACKs and sends: well under
+#: a link's receive window (256 packets; more would be dropped as out of
+#: window before the drain) and small enough that ACKs keep flowing while a
+#: backlog is worked off (a 4 MB socket buffer read in one pass held every
+#: ACK for tens of milliseconds, past the sender's RTO)
+_RX_BUDGET = 128
 # Linux UDP segmentation offload (include/uapi/linux/udp.h); the socket
 # module of Python 3.11 does not name them.
 SOL_UDP = 17
@@ -330,7 +335,9 @@ class Device:
             touched: set[PeerLink] | None = None
             gro = self.gro
             recv = sock.recvmsg if gro else sock.recvfrom
-            for _ in range(_RX_BATCH):
+            budget = _RX_BUDGET
+            while budget > 0:
+                budget -= 1
                 try:
                     if gro:
                         data, anc, msg_flags, addr = recv(_RX_BUF, _GRO_CMSG_SPACE)
@@ -354,6 +361,7 @@ class Device:
                         continue
                     if seg < len(data):
                         self.stats["rx_gro_batches"] += 1
+                        budget -= len(data) // seg
                         view = memoryview(data)
                         for off in range(0, len(data), seg):
                             piece = view[off:off + seg]
