@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import random
 import statistics
 import timeit
@@ -36,7 +37,10 @@ from typing import Any
 
 import construct as c
 
+from udpverbs.daemon import tables
+from udpverbs.transport.link import Link, LinkConfig
 from udpverbs.wire import crc, envelope, link, rdmap, segment
+from udpverbs.wire.shm import AccessFlags
 from udpverbs.wire.envelope import Kind
 from udpverbs.wire.link import LinkHeader, PacketType
 from udpverbs.wire.rdmap import Opcode
@@ -44,6 +48,8 @@ from udpverbs.wire.rdmap import Opcode
 DATAGRAM_LEN = 1472
 PAYLOAD_LEN = DATAGRAM_LEN - link.OVERHEAD - segment.TAGGED_PREFIX_LEN  # 1418
 TARGET_US = 3.0  # the per-datagram budget for the shipped path, each way
+RECEIVE_TARGET_US = 5.0  # issue 5: parse, check and place one datagram
+_REMOTE_WRITE = int(AccessFlags.IBV_ACCESS_REMOTE_WRITE)
 
 HEADER = LinkHeader(PacketType.DATA, 0, 0, 0x5EED5EED, 1000, 990, 123456, 123000, 256)
 DST_QPN, SRC_QPN, STAG, TO = 0x000102, 0x000304, 0x00ABCD01, 0x10000
@@ -83,17 +89,99 @@ def construct_codec(link_c: c.Construct, env_c: c.Construct, seg_c: c.Construct)
 def fast_codec() -> tuple[Callable[[bytes], bytes], Callable[[bytes], Any]]:
     """The shipped path: what the daemon's send and receive loops call."""
     body = bytearray(segment.TAGGED_PREFIX_LEN + PAYLOAD_LEN)
+    pack_header = segment.tagged_packer(DST_QPN, SRC_QPN, Opcode.RDMA_WRITE)
+    h = HEADER
 
     def build(payload: bytes) -> bytes:
-        segment.pack_tagged_into(body, 0, DST_QPN, SRC_QPN, Opcode.RDMA_WRITE, True, STAG, TO)
+        pack_header(body, True, STAG, TO)
         body[segment.TAGGED_PREFIX_LEN :] = payload
-        return link.encode(HEADER, body)
+        return link.encode_fields(h.ptype, h.flags, h.path_id, h.conn_tag, h.seq, h.ack, h.ts_us, h.ts_echo_us,
+                                  h.rwnd, body)
 
     def parse(datagram: bytes) -> Any:
         h, b = link.decode_untrusted(datagram)
         return h, segment.decode_untrusted(b)
 
     return build, parse
+
+
+class _Target:
+    """A registered region on the receiving side, as the daemon holds it."""
+
+    def __init__(self) -> None:
+        self.pd = tables.ProtectionDomain(1, None)
+        self.mr = tables.MemoryRegion(1, self.pd, int(AccessFlags.IBV_ACCESS_REMOTE_WRITE), 0, 1 << 20,
+                                      mmap.mmap(-1, 1 << 20))
+        self.stags = tables.STagTable()
+        self.stags.register(self.mr)
+
+
+def place_write(target: _Target, hdr: Any, payload: memoryview) -> None:
+    """What ``QueuePair.on_segment`` does with a tagged RDMA Write: look up, check, copy."""
+    mr = target.stags.lookup(hdr.stag)
+    if mr is None:
+        raise AssertionError("STag did not resolve")
+    code, off = mr.check(target.pd, _REMOTE_WRITE, hdr.to, len(payload), tagged=True)
+    if code:
+        raise AssertionError(f"check refused the write ({code})")
+    mr.view[off:off + len(payload)] = payload
+
+
+def receive_stateless(payload: bytes) -> tuple[Callable[[bytes], Any], bytes]:
+    """parse + check + place of one datagram, no link state: the issue's 'per-datagram receive path'."""
+    target = _Target()
+    pack_header = segment.tagged_packer(DST_QPN, SRC_QPN, Opcode.RDMA_WRITE)
+    body = bytearray(segment.TAGGED_PREFIX_LEN) + payload
+    pack_header(body, True, target.mr.stag, TO)
+    datagram = link.encode(HEADER, body)
+
+    def receive(d: bytes) -> None:
+        _, b = link.decode_untrusted(d)
+        _, hdr, data = segment.decode_untrusted(b)
+        place_write(target, hdr, data)
+
+    return receive, datagram
+
+
+def receive_through_link(payload: bytes, count: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """The same, through a receiving ``transport.Link`` (reliability, ACK state, in-order delivery).
+
+    A sending link (fixed window, unpaced) produces ``count`` in-order data
+    packets up front; each call of the returned function hands the next one
+    to the receiving link, drains it and places the segment.  The second
+    function lets the receiver build its ACK every 64 packets, as the daemon
+    does once per pass.
+    """
+    target = _Target()
+    cfg = LinkConfig(max_payload=DATAGRAM_LEN - link.OVERHEAD, cc="fixed", cc_params={"window_packets": count + 8},
+                     send_buffer_packets=count + 8, rwnd_packets=1 << 15)
+    tx = Link(cfg, rng=random.Random(1), incarnation=1)
+    rx = Link(cfg, rng=random.Random(2), incarnation=2)
+    now = 1.0
+    tx.connect(now)
+    for _ in range(4):  # the handshake, in memory
+        for d in tx.datagrams_to_send(now):
+            rx.datagram_received(d, now)
+        for d in rx.datagrams_to_send(now):
+            tx.datagram_received(d, now)
+    pack_header = segment.tagged_packer(DST_QPN, SRC_QPN, Opcode.RDMA_WRITE)
+    for _ in range(count):
+        body = bytearray(segment.TAGGED_PREFIX_LEN) + payload
+        pack_header(body, True, target.mr.stag, TO)
+        tx.send(body, now)
+    datagrams = iter(tx.datagrams_to_send(now))
+    state = {"n": 0}
+
+    def receive() -> None:
+        rx.datagram_received(next(datagrams), now)
+        for msg in rx.drain_received():
+            _, hdr, data = segment.decode_untrusted(msg)
+            place_write(target, hdr, data)
+        state["n"] += 1
+        if state["n"] % 64 == 0:
+            rx.datagrams_to_send(now)
+
+    return receive, lambda: None
 
 
 def _median_us(fn: Callable[[], Any], number: int, repeats: int) -> float:
@@ -128,9 +216,14 @@ def measure(number: int, repeats: int, seed: int) -> list[dict[str, Any]]:
                 parse_us=_median_us(lambda: parse(datagram), number, repeats),
             )
         )
+    receive, datagram = receive_stateless(payload)
+    rows.append(dict(config="receive: parse, check, place", receive_us=_median_us(lambda: receive(datagram), number,
+                                                                                repeats)))
+    through, _ = receive_through_link(payload, number * repeats)
+    rows.append(dict(config="receive through a Link", receive_us=_median_us(through, number, repeats)))
     base = next((r for r in rows if r["config"] == "construct" and "error" not in r), None)
     for r in rows:
-        if base and "error" not in r:
+        if base and "error" not in r and "build_us" in r:
             r["build_ratio"] = base["build_us"] / r["build_us"]
             r["parse_ratio"] = base["parse_us"] / r["parse_us"]
     return rows
@@ -146,13 +239,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = measure(args.number, args.repeats, args.seed)
     if args.json:
-        print(json.dumps(dict(datagram_bytes=DATAGRAM_LEN, target_us=TARGET_US, rows=rows), indent=2))
+        print(json.dumps(dict(datagram_bytes=DATAGRAM_LEN, target_us=TARGET_US, receive_target_us=RECEIVE_TARGET_US,
+                              rows=rows), indent=2))
         return
     print(f"# {DATAGRAM_LEN} B datagram (link + envelope + DDP tagged + {PAYLOAD_LEN} B + CRC32c); "
           f"median of {args.repeats} x {args.number} calls; ratio = construct / this")
     for r in rows:
         if "error" in r:
             print(f"{r['config']:<20} not measured: {r['error']}")
+            continue
+        if "receive_us" in r:
+            print(f"{r['config']:<30} {r['receive_us']:7.2f} us per datagram (target {RECEIVE_TARGET_US:g})")
             continue
         print(
             f"{r['config']:<20} build {r['build_us']:7.2f} us (x{r.get('build_ratio', 1):5.1f})"

@@ -28,7 +28,29 @@ def test_datagram_is_full_size_and_parses() -> None:
 def test_every_configuration_is_measured(capsys: pytest.CaptureFixture[str]) -> None:
     wirecost.main(["--number", "3", "--repeats", "1", "--json"])
     rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-    assert set(rows) == {"construct", "construct-compiled", "fast"}
-    for r in rows.values():
-        assert "error" not in r, r
-        assert r["build_us"] > 0 and r["parse_us"] > 0
+    codecs = {"construct", "construct-compiled", "fast"}
+    receives = {"receive: parse, check, place", "receive through a Link"}
+    assert set(rows) == codecs | receives
+    for name in codecs:
+        assert "error" not in rows[name], rows[name]
+        assert rows[name]["build_us"] > 0 and rows[name]["parse_us"] > 0
+    for name in receives:
+        assert rows[name]["receive_us"] > 0
+
+
+def test_the_receive_paths_place_the_payload() -> None:
+    payload = bytes(range(256)) * 5 + bytes(wirecost.PAYLOAD_LEN - 1280)
+    receive, datagram = wirecost.receive_stateless(payload)
+    receive(datagram)  # raises if the STag or the bounds check refused it
+    through, _ = wirecost.receive_through_link(payload, 3)
+    for _ in range(3):
+        through()
+    with pytest.raises(StopIteration):  # exactly the packets sent were delivered, one per call
+        through()
+
+
+def test_placement_refuses_what_a_qp_would_refuse() -> None:
+    target = wirecost._Target()
+    hdr = wirecost.rdmap.TaggedHeader(wirecost.Opcode.RDMA_WRITE, True, target.mr.stag, (1 << 20) - 4)
+    with pytest.raises(AssertionError, match="check refused"):
+        wirecost.place_write(target, hdr, memoryview(bytes(8)))  # runs past the region's end
