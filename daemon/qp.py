@@ -727,8 +727,15 @@ class QueuePair:
         if (not self.irrq and self.sending is None and self.q0_cursor >= len(self.q0) and not self.flow_ack_due
                 and not (self.rx_rnr and not self.rx_resume_sent) and self.sq.hdr.producer == self.sq.cons):
             return 0  # nothing to send: the common case of every idle pass
+        sent = self._pump_messages(link, budget)
         if self.flow_ack_due or (self.rx_rnr and not self.rx_resume_sent):
+            # After our own messages: a flow message is shorter than any
+            # segment, so it ends their UDP_SEGMENT run and leaves in the same
+            # system call (a Send ping-pong sends both every time).
             self._send_flow_control()
+        return sent
+
+    def _pump_messages(self, link: "PeerLink", budget: int) -> int:
         sent = 0
         max_data = link.max_data
         while sent < budget and link.link.send_space() > 0:
