@@ -349,17 +349,17 @@ class Device:
                     self.stats["rx_oserror"] += 1
                     continue
                 pl = links.get(addr)
+                if gro and msg_flags & socket.MSG_TRUNC:
+                    self.stats["rx_truncated"] += 1  # larger than any datagram we send: not ours
+                    continue
                 if gro and anc:
                     # Coalesced by GRO: equal-size datagrams back to back (the
                     # last may be shorter), the size in the control message.
-                    if msg_flags & socket.MSG_TRUNC:
-                        self.stats["rx_truncated"] += 1
-                        continue
-                    seg = int.from_bytes(anc[0][2][:4], sys.byteorder)
-                    if seg <= 0:
-                        self.stats["rx_garbage"] += 1
-                        continue
-                    if seg < len(data):
+                    seg = 0
+                    for level, kind, value in anc:
+                        if level == SOL_UDP and kind == UDP_GRO and len(value) >= 4:
+                            seg = int.from_bytes(value[:4], sys.byteorder)
+                    if 0 < seg < len(data):
                         self.stats["rx_gro_batches"] += 1
                         budget -= len(data) // seg
                         view = memoryview(data)
