@@ -527,7 +527,10 @@ class Link:
             self._ack_now = True
         if d == 0:
             delivered = self._delivered
-            delivered.append(bytes(body))
+            # A view of an immutable datagram is handed on as it is (the
+            # common in-order case costs no copy); anything that may change
+            # under us is copied.
+            delivered.append(body if body.readonly else bytes(body))
             rcv_nxt += 1
             ranges = self._ranges
             if ranges and ranges[0][0] == rcv_nxt:
@@ -594,8 +597,12 @@ class Link:
 
     # --- the receive side's outputs -----------------------------------------
 
-    def drain_received(self) -> list[bytes]:
-        """Messages delivered in order, exactly once, since the last call."""
+    def drain_received(self) -> list[bytes | memoryview]:
+        """Messages delivered in order, exactly once, since the last call.
+
+        Read-only: a message received in order from an immutable datagram
+        (``bytes``, or a view of one) is a view into that datagram.
+        """
         out = self._delivered
         if not out:
             return out
