@@ -449,3 +449,21 @@ def test_window_does_not_grow_when_not_the_limit() -> None:
         now += 2 * D
     assert a.acked == 200
     assert a.cwnd_bytes == start
+
+
+def test_delivered_messages_never_alias_a_buffer_that_can_change() -> None:
+    # In order from an immutable datagram, a message is a view (no copy);
+    # from a bytearray the caller may reuse, it is a copy.
+    a, b = make_pair()
+    now = establish(a, b)
+    a.send(b"first", now)
+    a.send(b"second", now)
+    first, second = a.datagrams_to_send(now)
+    b.datagram_received(first, now)  # bytes
+    reused = bytearray(second)
+    b.datagram_received(reused, now)
+    got = b.drain_received()
+    assert [bytes(m) for m in got] == [b"first", b"second"]
+    assert isinstance(got[0], memoryview) and got[0].readonly
+    reused[:] = bytes(len(reused))  # the caller reuses its receive buffer
+    assert bytes(got[1]) == b"second"
