@@ -90,6 +90,7 @@ UDP_GRO = 104
 GSO_MAX_SEGMENTS = 64
 GSO_MAX_BYTES = 65000
 _GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
+_GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
 #: the daemon's default for LinkConfig.pacing_burst_packets (see link_config)
 DAEMON_PACING_BURST_PACKETS = 32.0
 _RX_BUF = 1 << 16
@@ -226,9 +227,15 @@ class Device:
         # (UDP_SEGMENT) and arrives coalesced in one recvmsg (UDP_GRO), one
         # system call for up to 64 segments instead of one each.  Both are
         # optional: without them every datagram is its own system call.
-        self.gso = self.config.gso
-        self.gro = False
+        self.gso = self.gro = False
         if self.config.gso:
+            # Probe both: a kernel without UDP_SEGMENT (before 4.18) ignores
+            # the control message and sends a run as one big datagram.
+            try:
+                s.setsockopt(SOL_UDP, UDP_SEGMENT, 0)
+                self.gso = True
+            except OSError:
+                log.warning("no UDP_SEGMENT here: one system call per datagram sent")
             try:
                 s.setsockopt(SOL_UDP, UDP_GRO, 1)
                 self.gro = True
@@ -354,8 +361,10 @@ class Device:
                     self.stats["rx_oserror"] += 1
                     continue
                 pl = links.get(addr)
-                if gro and msg_flags & socket.MSG_TRUNC:
-                    self.stats["rx_truncated"] += 1  # larger than any datagram we send: not ours
+                if gro and msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                    # Larger than any datagram we send, or a GRO size we
+                    # cannot read (so neither can we split the buffer).
+                    self.stats["rx_truncated"] += 1
                     continue
                 if gro and anc:
                     # Coalesced by GRO: equal-size datagrams back to back (the
@@ -457,9 +466,14 @@ class Device:
             return False
         if self.gso and len(out) > 1:
             self._send_segmented(out, pl.addr)
-            return True
+        else:
+            self._send_each(out, pl.addr)
+        return True
+
+    def _send_each(self, out: list[bytes], addr: tuple[str, int]) -> None:
+        """One ``sendto`` per datagram."""
+        assert self.sock is not None
         sendto = self.sock.sendto
-        addr = pl.addr
         for d in out:
             try:
                 sendto(d, addr)
@@ -467,7 +481,6 @@ class Device:
                 self.stats["tx_dropped"] += 1  # the link retransmits it
             except OSError:
                 self.stats["tx_oserror"] += 1
-        return True
 
     def _send_segmented(self, out: list[bytes], addr: tuple[str, int]) -> None:
         """Send ``out`` in runs of equal-size datagrams, one UDP_SEGMENT sendmsg per run.
@@ -502,17 +515,21 @@ class Device:
             except (BlockingIOError, InterruptedError):
                 stats["tx_dropped"] += j - i  # the link retransmits them
             except OSError as e:
-                if j - i > 1 and e.errno in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
-                    # This kernel or route cannot segment: send one by one from now on.
-                    log.warning("UDP_SEGMENT refused (%s): sending datagrams one by one", e)
-                    self.gso = False
-                    for d in out[i:]:
-                        try:
-                            sock.sendto(d, addr)
-                        except OSError:
-                            stats["tx_oserror"] += 1
-                    return
-                stats["tx_oserror"] += j - i
+                if j - i > 1 and e.errno in _GSO_REFUSED:
+                    # The kernel would not cut this run (EINVAL: e.g. a
+                    # segment larger than this route's MTU allows): send it
+                    # one by one.  A kernel that cannot segment at all
+                    # (EIO, ENOPROTOOPT, EOPNOTSUPP) is not asked again.
+                    stats["tx_gso_refused"] += 1
+                    if e.errno != errno.EINVAL:
+                        log.warning("UDP_SEGMENT refused (%s): sending datagrams one by one", e)
+                        self.gso = False
+                    if not self.gso:
+                        self._send_each(out[i:], addr)
+                        return
+                    self._send_each(out[i:j], addr)
+                else:
+                    stats["tx_oserror"] += j - i
             i = j
 
     def _passive_link(self, addr: tuple[str, int], data: bytes) -> PeerLink | None:

@@ -651,6 +651,8 @@ class QueuePair:
             gather = self._resolve(buf, at + _SG_OFFSET, num_sge, _LOCAL_WRITE if reads_remote else 0)
             if gather is None:
                 status = W.IBV_WC_LOC_PROT_ERR
+            elif gather.total > shm.MAX_MSG_SZ:
+                status = W.IBV_WC_LOC_LEN_ERR  # longer than the port's max_msg_sz
             elif opcode in _ATOMIC_WR and gather.total != 8:
                 status = W.IBV_WC_LOC_LEN_ERR  # the original value is one 64-bit word
         sq.pop()
@@ -727,13 +729,16 @@ class QueuePair:
         if (not self.irrq and self.sending is None and self.q0_cursor >= len(self.q0) and not self.flow_ack_due
                 and not (self.rx_rnr and not self.rx_resume_sent) and self.sq.hdr.producer == self.sq.cons):
             return 0  # nothing to send: the common case of every idle pass
-        sent = self._pump_messages(link, budget)
-        if self.flow_ack_due or (self.rx_rnr and not self.rx_resume_sent):
+        try:
+            return self._pump_messages(link, budget)
+        finally:
             # After our own messages: a flow message is shorter than any
             # segment, so it ends their UDP_SEGMENT run and leaves in the same
-            # system call (a Send ping-pong sends both every time).
-            self._send_flow_control()
-        return sent
+            # system call (a Send ping-pong sends both every time).  In a
+            # finally: receives already completed here must be ACKed even if
+            # this QP's send side fails now.
+            if self.flow_ack_due or (self.rx_rnr and not self.rx_resume_sent):
+                self._send_flow_control()
 
     def _pump_messages(self, link: "PeerLink", budget: int) -> int:
         sent = 0

@@ -309,7 +309,7 @@ class Context(Resource):
         payload = self._hello.link_mtu
         mtu = next((e for size, e in _MTU_ENUM if size <= payload), 1)
         return PortAttr(state=4, max_mtu=mtu, active_mtu=mtu, gid_tbl_len=1, port_cap_flags=0,
-                        max_msg_sz=1 << 31, lid=self._hello.udp_port, sm_lid=0, lmc=0,
+                        max_msg_sz=shm.MAX_MSG_SZ, lid=self._hello.udp_port, sm_lid=0, lmc=0,
                         link_layer=2, active_width=1, active_speed=1, phys_state=5,
                         udp_payload=payload)
 

@@ -232,6 +232,9 @@ class EventType(enum.IntEnum):
 
 MAX_SGE = 16  #: SGEs per WQE (send and receive)
 MAX_INLINE = MAX_SGE * 16  #: inline bytes per send WQE: shares room with the SGE list
+#: the largest message (port attribute max_msg_sz): a Read Request's size and
+#: a Send's MO are 32-bit fields (RFC 5040 §4.4, RFC 5041 §6.3)
+MAX_MSG_SZ = 1 << 31
 CACHE_LINE = 64
 
 CDEF = """

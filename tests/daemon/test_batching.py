@@ -125,9 +125,10 @@ async def test_without_gso_every_datagram_is_its_own_system_call() -> None:
 class RecordingSocket:
     """Stands in for the UDP socket in ``_send_segmented``: records each send."""
 
-    def __init__(self, refuse_gso: bool = False) -> None:
+    def __init__(self, refuse_gso: bool = False, refuse_errno: int = errno.EIO) -> None:
         self.sends: list[tuple[str, list[bytes], int]] = []
         self.refuse_gso = refuse_gso
+        self.refuse_errno = refuse_errno
 
     def sendto(self, data: bytes, addr: Any) -> int:
         self.sends.append(("sendto", [data], len(data)))
@@ -135,7 +136,7 @@ class RecordingSocket:
 
     def sendmsg(self, buffers: list[bytes], anc: list[tuple[int, int, bytes]], flags: int, addr: Any) -> int:
         if self.refuse_gso:
-            raise OSError(errno.EIO, "no segmentation here")
+            raise OSError(self.refuse_errno, "no segmentation here")
         ((level, kind, data),) = anc
         assert (level, kind) == (devmod.SOL_UDP, devmod.UDP_SEGMENT)
         self.sends.append(("gso", list(buffers), int.from_bytes(data, "little")))
@@ -211,5 +212,58 @@ async def test_a_pass_reads_a_bounded_number_of_datagrams() -> None:
     dev.poll_once()
     dev.poll_once()
     assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == 300
+    dev.sock = None
+    dev.close()
+
+
+def test_einval_on_one_run_sends_it_one_by_one_and_keeps_batching() -> None:
+    # EINVAL is about this run (say, a route whose MTU is too small for the
+    # segment size): the run still goes out, and later runs are tried again.
+    dev = Device(DeviceConfig(port=0))
+    dev.gso = True
+    rec = RecordingSocket(refuse_gso=True, refuse_errno=errno.EINVAL)
+    dev.sock = rec  # type: ignore[assignment]
+    out = _datagrams(1000, 1000, 1000, 40, 40, 40)  # runs: 3 x 1000 + 40, then 2 x 40
+    dev._send_segmented(out, ("127.0.0.9", 9))
+    assert [bufs[0] for _, bufs, _ in rec.sends] == out
+    assert dev.gso is True and dev.stats["tx_gso_refused"] == 2
+    dev.sock = None
+    dev.close()
+
+
+class GroSocket:
+    """Hands out one receive, as the kernel would with UDP_GRO on."""
+
+    def __init__(self, data: bytes, anc: list[tuple[int, int, bytes]], flags: int = 0) -> None:
+        self.queue = [(data, anc, flags, ("127.0.0.9", 9))]
+
+    def recvmsg(self, size: int, anc: int) -> tuple[bytes, list[Any], int, tuple[str, int]]:
+        if not self.queue:
+            raise BlockingIOError
+        return self.queue.pop()
+
+
+def _gro(seg: int) -> list[tuple[int, int, bytes]]:
+    return [(devmod.SOL_UDP, devmod.UDP_GRO, seg.to_bytes(4, "little"))]
+
+
+@pytest.mark.parametrize(("data", "anc", "flags", "datagrams", "batches"), [
+    (bytes(300), _gro(100), 0, 3, 1),  # three 100-byte datagrams
+    (bytes(250), _gro(100), 0, 3, 1),  # the last one shorter
+    (bytes(300), [(0, devmod.UDP_GRO, (100).to_bytes(4, "little"))], 0, 1, 0),  # not UDP's: one datagram
+    (bytes(300), [(devmod.SOL_UDP, devmod.UDP_GRO, b"\x64")], 0, 1, 0),  # too short to be a size
+    (bytes(300), _gro(300), 0, 1, 0),  # nothing was coalesced
+    (bytes(300), _gro(100), socket.MSG_CTRUNC, 0, 0),  # the size may be cut off: dropped, counted
+])
+async def test_gro_receives_are_split_by_the_size_the_kernel_gave(
+        data: bytes, anc: list[tuple[int, int, bytes]], flags: int, datagrams: int, batches: int) -> None:
+    dev = Device(DeviceConfig(port=0))
+    dev.gro = True
+    dev.sock = GroSocket(data, anc, flags)  # type: ignore[assignment]
+    dev.poll_once()
+    # Zeros from an unknown peer: each datagram is counted and dropped.
+    assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == datagrams
+    assert dev.stats["rx_gro_batches"] == batches
+    assert dev.stats["rx_truncated"] == (1 if flags else 0)
     dev.sock = None
     dev.close()
