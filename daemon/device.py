@@ -189,6 +189,8 @@ class Device:
         self.stats: collections.Counter[str] = collections.Counter()
         self.now = 0.0
         self.sock: socket.socket | None = None
+        self._rx_epoll: select.epoll | None = None
+        self._rx_ready: Any = None  # the socket's own readiness check (bind); None: just try to read
         self.gso = False  # UDP_SEGMENT sends (set by bind; dropped if the kernel refuses one)
         self.gro = False  # UDP_GRO receives (set by bind)
         self.gid = ctl.gid_from_ip(config.addr)
@@ -242,6 +244,12 @@ class Device:
             except OSError:
                 pass
         self.epoll.register(s.fileno(), select.EPOLLIN)
+        # "Anything to read?" for every pass: epoll_wait(0) on the socket
+        # alone costs 0.35 µs, a recvmsg that fails with EAGAIN 2.2 µs (a
+        # third of an idle pass).
+        self._rx_epoll = select.epoll()
+        self._rx_epoll.register(s.fileno(), select.EPOLLIN)
+        self._rx_ready = self._rx_epoll.poll
         return s.getsockname()
 
     def close(self) -> None:
@@ -258,6 +266,10 @@ class Device:
         self.announce_fatal()
         for sess in list(self.sessions):
             sess.teardown()
+        if self._rx_epoll is not None:
+            self._rx_epoll.close()
+            self._rx_epoll = None
+            self._rx_ready = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -343,7 +355,7 @@ class Device:
         progress = False
         sock = self.sock
         links = self.links
-        if sock is not None:
+        if sock is not None and (self._rx_ready is None or self._rx_ready(0)):
             touched: set[PeerLink] | None = None
             gro = self.gro
             recv = sock.recvmsg if gro else sock.recvfrom
