@@ -7,8 +7,10 @@ manager), but the data path is **one tight loop** (``run_data_path``), because
 waking a trio task per event costs hundreds of microseconds (measured in
 ``docs``/shared DESIGN).  Each pass of ``poll_once`` does, without awaiting:
 
-1. read every datagram waiting on the UDP socket and feed it to the peer's
-   ``transport.Link`` (a new INIT from an unknown address opens a passive link);
+1. read the datagrams waiting on the UDP socket (at most ``_RX_BUDGET``; an
+   epoll of the socket alone says first whether there are any) and feed them
+   to the peer's ``transport.Link`` (a new INIT from an unknown address opens
+   a passive link);
    with UDP_GRO one receive may hold many datagrams of one size, split here;
 2. dispatch every in-order message the links deliver: DDP segments to their
    QP (``qp.py``), CM messages to the connection manager;
