@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..wire import cm as wcm
-from ..wire import ctl, envelope
+from ..wire import ctl, envelope, shm
 from ..wire.ctl import Op
 from ..wire.envelope import Kind
 from ..wire.errors import WireError
@@ -293,7 +293,7 @@ class ConnectionManager:
             raise TableError(errno.ECONNRESET, "the link to the requester failed")
         self._to_rts(qp, inc.pl, inc.req.qpn, ord_, ird)
         del self.incoming[inc.conn_id]
-        self._send(inc.pl, wcm.Accept(inc.req.request_id, qp.qpn, ird, ord_, 1 << 31, req.data))
+        self._send(inc.pl, wcm.Accept(inc.req.request_id, qp.qpn, ird, ord_, shm.MAX_MSG_SZ, req.data))
         return ctl.encode_reply(Op.CM_ACCEPT)
 
     async def _connect(self, sess: Any, req: Any) -> bytes:
@@ -311,7 +311,7 @@ class ConnectionManager:
         out.ord, out.ird = ord_, ird
         request_id = self._id()
         self.outgoing[(pl.addr, request_id)] = out
-        self._send(pl, wcm.ConnectRequest(request_id, req.port, qp.qpn, ird, ord_, 1 << 31, req.data))
+        self._send(pl, wcm.ConnectRequest(request_id, req.port, qp.qpn, ird, ord_, shm.MAX_MSG_SZ, req.data))
         with trio.move_on_after(max(1, req.timeout_ms) / 1000):
             await out.done.wait()
         self.outgoing.pop((pl.addr, request_id), None)
