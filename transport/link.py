@@ -86,9 +86,6 @@ _KEEPALIVE = wl.PacketType.KEEPALIVE
 _ABORT = wl.PacketType.ABORT
 _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _RETX = int(wl.LinkFlags.RETRANSMISSION)
-_Header = wl.LinkHeader
-_TN = tuple.__new__  # builds a NamedTuple without its Python-level __new__
-_encode = wl.encode
 _encode_fields = wl.encode_fields
 _decode = wl.decode_untrusted
 
@@ -304,10 +301,9 @@ class Link:
         # INIT goes to an unknown tag (0) and echoes nothing; INIT_ACK
         # answers an INIT, so it is addressed with the peer's tag and echoes.
         init = ptype == _INIT
-        h = _Header(ptype, 0, self.path_id, 0 if init else self.peer_tag, self.isn, 0,
-                    int(now * 1e6) & _U32, 0 if init else self._echo(now),
-                    min(self.config.rwnd_packets, 0xFFFF))
-        return _encode(h, self._init_body())
+        return _encode_fields(ptype, 0, self.path_id, 0 if init else self.peer_tag, self.isn, 0,
+                              int(now * 1e6) & _U32, 0 if init else self._echo(now),
+                              min(self.config.rwnd_packets, 0xFFFF), self._init_body())
 
     def _send_handshake(self, now: float) -> None:
         # INIT while we do not know the peer; INIT_ACK (which also carries our
@@ -652,12 +648,9 @@ class Link:
         return w
 
     def _control(self, ptype: int, flags: int, now: float) -> bytes:
-        fields = (ptype, flags, self.path_id, self.peer_tag, (self.isn + self._snd_nxt) & _U32,
-                  (self.peer_isn + self.rcv_nxt) & _U32, int(now * 1e6) & _U32, self._echo(now),
-                  self._advertised_window())
-        if self._ranges:
-            return _encode(_TN(_Header, (*fields, self._sack_blocks())))
-        return _encode_fields(*fields)
+        return _encode_fields(ptype, flags, self.path_id, self.peer_tag, (self.isn + self._snd_nxt) & _U32,
+                              (self.peer_isn + self.rcv_nxt) & _U32, int(now * 1e6) & _U32, self._echo(now),
+                              self._advertised_window(), b"", self._sack_blocks() if self._ranges else ())
 
     # --- sending ------------------------------------------------------------
 
@@ -775,12 +768,8 @@ class Link:
                     # ACK_NOW on the last queued message, so the peer does
                     # not hold the ACK of a burst's tail for max_ack_delay_s.
                     flags = _ACK_NOW if snd_nxt >= next_n else 0
-                if sack:
-                    out.append(_encode(_TN(_Header, (_DATA, flags, path_id, peer_tag, (isn + n) & _U32,
-                                                     ack, ts, echo, rwnd, sack)), body))
-                else:
-                    out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo,
-                                              rwnd, body))
+                out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd,
+                                          body, sack))
                 rec.on_sent(n, size, retx)
                 pacer.on_sent(size, now)
                 sent += 1

@@ -128,41 +128,32 @@ class LinkInit(NamedTuple):
 def encode(h: LinkHeader, body: bytes | bytearray | memoryview = b"") -> bytes:
     """Build a complete link packet: header, SACK blocks, body and CRC32c.
 
-    The body is copied once (by the final join); the CRC runs over header and
-    body in two steps instead of over a concatenated copy.
-
     Raises:
         ValueError: more than ``MAX_SACK_BLOCKS`` SACK blocks, or a field out
             of range (a caller bug).
     """
-    sack = h.sack
+    return encode_fields(h.ptype, h.flags, h.path_id, h.conn_tag, h.seq, h.ack, h.ts_us, h.ts_echo_us, h.rwnd, body,
+                         h.sack)
+
+
+def encode_fields(ptype: int, flags: int, path_id: int, conn_tag: int, seq: int, ack: int, ts_us: int,
+                  ts_echo_us: int, rwnd: int, body: bytes | bytearray | memoryview = b"",
+                  sack: tuple[tuple[int, int], ...] = ()) -> bytes:
+    """``encode`` from plain fields: the sender's per-packet path builds no ``LinkHeader``.
+
+    The body is copied once (by the final join); the CRC runs over header and
+    body in two steps instead of over a concatenated copy.
+
+    Raises:
+        ValueError: as ``encode``.
+    """
     n = len(sack)
     if n > MAX_SACK_BLOCKS:
         raise ValueError(f"at most {MAX_SACK_BLOCKS} SACK blocks, got {n}")
     try:
-        head = _HDR.pack(
-            LINK_VERSION, h.ptype, h.flags, h.path_id, h.conn_tag, h.seq, h.ack,
-            h.ts_us, h.ts_echo_us, h.rwnd, n, 0,
-        )
+        head = _HDR.pack(LINK_VERSION, ptype, flags, path_id, conn_tag, seq, ack, ts_us, ts_echo_us, rwnd, n, 0)
         if n:
             head += b"".join([_SACK.pack(start, end) for start, end in sack])
-    except struct.error as e:
-        raise ValueError(str(e)) from None
-    return b"".join((head, body, _CRC.pack(_crc32c(body, _crc32c(head)))))
-
-
-def encode_fields(ptype: int, flags: int, path_id: int, conn_tag: int, seq: int, ack: int, ts_us: int,
-                  ts_echo_us: int, rwnd: int, body: bytes | bytearray | memoryview = b"") -> bytes:
-    """``encode`` for a packet without SACK blocks, from plain fields.
-
-    The per-packet path of a sender: no ``LinkHeader`` to build and no SACK
-    to look at.  Same bytes as ``encode(LinkHeader(...), body)``.
-
-    Raises:
-        ValueError: a field out of range (a caller bug).
-    """
-    try:
-        head = _HDR.pack(LINK_VERSION, ptype, flags, path_id, conn_tag, seq, ack, ts_us, ts_echo_us, rwnd, 0, 0)
     except struct.error as e:
         raise ValueError(str(e)) from None
     return b"".join((head, body, _CRC.pack(_crc32c(body, _crc32c(head)))))
