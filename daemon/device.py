@@ -191,8 +191,7 @@ class Device:
         self.stats: collections.Counter[str] = collections.Counter()
         self.now = 0.0
         self.sock: socket.socket | None = None
-        self._rx_epoll: select.epoll | None = None
-        self._rx_ready: Any = None  # the socket's own readiness check (bind); None: just try to read
+        self._rx_epoll: select.epoll | None = None  # the socket alone (bind); None: just try to read
         self.gso = False  # UDP_SEGMENT sends (set by bind; dropped if the kernel refuses one)
         self.gro = False  # UDP_GRO receives (set by bind)
         self.gid = ctl.gid_from_ip(config.addr)
@@ -231,7 +230,6 @@ class Device:
         # (UDP_SEGMENT) and arrives coalesced in one recvmsg (UDP_GRO), one
         # system call for up to 64 segments instead of one each.  Both are
         # optional: without them every datagram is its own system call.
-        self.gso = self.gro = False
         if self.config.gso:
             # Probe both: a kernel without UDP_SEGMENT (before 4.18) ignores
             # the control message and sends a run as one big datagram.
@@ -251,7 +249,6 @@ class Device:
         # third of an idle pass).
         self._rx_epoll = select.epoll()
         self._rx_epoll.register(s.fileno(), select.EPOLLIN)
-        self._rx_ready = self._rx_epoll.poll
         return s.getsockname()
 
     def close(self) -> None:
@@ -271,7 +268,6 @@ class Device:
         if self._rx_epoll is not None:
             self._rx_epoll.close()
             self._rx_epoll = None
-            self._rx_ready = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -357,8 +353,9 @@ class Device:
         progress = False
         sock = self.sock
         links = self.links
-        if sock is not None and (self._rx_ready is None or self._rx_ready(0)):
-            touched: set[PeerLink] | None = None
+        rx = self._rx_epoll
+        if sock is not None and (rx is None or rx.poll(0)):
+            touched: set[PeerLink] = set()
             gro = self.gro
             recv = sock.recvmsg if gro else sock.recvfrom
             budget = _RX_BUDGET
@@ -374,13 +371,13 @@ class Device:
                 except OSError:  # e.g. ICMP port unreachable reported on the socket
                     self.stats["rx_oserror"] += 1
                     continue
-                pl = links.get(addr)
-                if gro and msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-                    # Larger than any datagram we send, or a GRO size we
-                    # cannot read (so neither can we split the buffer).
-                    self.stats["rx_truncated"] += 1
-                    continue
-                if gro and anc:
+                datagrams: Any = (data,)
+                if gro:
+                    if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                        # Larger than any datagram we send, or a GRO size we
+                        # cannot read (so neither can we split the buffer).
+                        self.stats["rx_truncated"] += 1
+                        continue
                     # Coalesced by GRO: equal-size datagrams back to back (the
                     # last may be shorter), the size in the control message.
                     seg = 0
@@ -391,29 +388,17 @@ class Device:
                         self.stats["rx_gro_batches"] += 1
                         budget -= len(data) // seg
                         view = memoryview(data)
-                        for off in range(0, len(data), seg):
-                            piece = view[off:off + seg]
-                            if pl is None:
-                                pl = self._passive_link(addr, piece)
-                                if pl is None:
-                                    continue
-                            pl.link.datagram_received(piece, now)
-                        if pl is not None:
-                            if touched is None:
-                                touched = {pl}
-                            else:
-                                touched.add(pl)
-                        continue
-                if pl is None:
-                    pl = self._passive_link(addr, data)
+                        datagrams = [view[off:off + seg] for off in range(0, len(data), seg)]
+                pl = links.get(addr)
+                for d in datagrams:
                     if pl is None:
-                        continue
-                pl.link.datagram_received(data, now)
-                if touched is None:
-                    touched = {pl}
-                else:
+                        pl = self._passive_link(addr, d)
+                        if pl is None:
+                            continue
+                    pl.link.datagram_received(d, now)
+                if pl is not None:
                     touched.add(pl)
-            if touched is not None:
+            if touched:
                 progress = True
                 for pl in touched:
                     for msg in pl.link.drain_received():
@@ -433,15 +418,12 @@ class Device:
         delivered = self._delivered
         for qp in qps:
             # Completions first: they only need what this pass received.
-            out = qp.outstanding
-            if out and qp.link is not None:
-                wr = out[0]
-                if wr.done or 0 <= wr.last_n < qp.link.link.recovery.una:
-                    try:
-                        if qp.complete_acked(qp.link.link.acked):
-                            delivered = True
-                    except Exception:  # an engine bug ends this QP, never the daemon
-                        self._qp_failed(qp)
+            if qp.outstanding and qp.link is not None:
+                try:
+                    if qp.complete_acked(qp.link.link.acked):
+                        delivered = True
+                except Exception:  # an engine bug ends this QP, never the daemon
+                    self._qp_failed(qp)
         if delivered:
             # Something the application waits for (placed data, a CQE) is now
             # in its memory.  On a shared vCPU the application may be the
