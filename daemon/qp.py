@@ -737,8 +737,7 @@ class QueuePair:
             # system call (a Send ping-pong sends both every time).  In a
             # finally: receives already completed here must be ACKed even if
             # this QP's send side fails now.
-            if self.flow_ack_due or (self.rx_rnr and not self.rx_resume_sent):
-                self._send_flow_control()
+            self._send_flow_control()
 
     def _pump_messages(self, link: "PeerLink", budget: int) -> int:
         sent = 0
