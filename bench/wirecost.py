@@ -117,14 +117,10 @@ class _Target:
 
 
 def place_write(target: _Target, hdr: Any, payload: memoryview) -> None:
-    """What ``QueuePair.on_segment`` does with a tagged RDMA Write: look up, check, copy."""
-    mr = target.stags.lookup(hdr.stag)
-    if mr is None:
-        raise AssertionError("STag did not resolve")
-    code, off = mr.check(target.pd, _REMOTE_WRITE, hdr.to, len(payload), tagged=True)
+    """What ``QueuePair.on_segment`` does with a tagged RDMA Write: ``STagTable.place``."""
+    code = target.stags.place(target.pd, _REMOTE_WRITE, hdr.stag, hdr.to, payload)
     if code:
         raise AssertionError(f"check refused the write ({code})")
-    mr.view[off:off + len(payload)] = payload
 
 
 def receive_stateless(payload: bytes) -> tuple[Callable[[bytes], Any], bytes]:
@@ -143,14 +139,13 @@ def receive_stateless(payload: bytes) -> tuple[Callable[[bytes], Any], bytes]:
     return receive, datagram
 
 
-def receive_through_link(payload: bytes, count: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+def receive_through_link(payload: bytes, count: int) -> Callable[[], None]:
     """The same, through a receiving ``transport.Link`` (reliability, ACK state, in-order delivery).
 
     A sending link (fixed window, unpaced) produces ``count`` in-order data
     packets up front; each call of the returned function hands the next one
-    to the receiving link, drains it and places the segment.  The second
-    function lets the receiver build its ACK every 64 packets, as the daemon
-    does once per pass.
+    to the receiving link, drains it and places the segment, and every 64th
+    call has the receiver build its ACK, as the daemon does once per pass.
     """
     target = _Target()
     cfg = LinkConfig(max_payload=DATAGRAM_LEN - link.OVERHEAD, cc="fixed", cc_params={"window_packets": count + 8},
@@ -169,19 +164,18 @@ def receive_through_link(payload: bytes, count: int) -> tuple[Callable[[], Any],
         body = bytearray(segment.TAGGED_PREFIX_LEN) + payload
         pack_header(body, True, target.mr.stag, TO)
         tx.send(body, now)
-    datagrams = iter(tx.datagrams_to_send(now))
-    state = {"n": 0}
+    datagrams = enumerate(tx.datagrams_to_send(now), 1)
 
     def receive() -> None:
-        rx.datagram_received(next(datagrams), now)
+        n, datagram = next(datagrams)
+        rx.datagram_received(datagram, now)
         for msg in rx.drain_received():
             _, hdr, data = segment.decode_untrusted(msg)
             place_write(target, hdr, data)
-        state["n"] += 1
-        if state["n"] % 64 == 0:
+        if n % 64 == 0:
             rx.datagrams_to_send(now)
 
-    return receive, lambda: None
+    return receive
 
 
 def _median_us(fn: Callable[[], Any], number: int, repeats: int) -> float:
@@ -219,7 +213,7 @@ def measure(number: int, repeats: int, seed: int) -> list[dict[str, Any]]:
     receive, datagram = receive_stateless(payload)
     rows.append(dict(config="receive: parse, check, place", receive_us=_median_us(lambda: receive(datagram), number,
                                                                                 repeats)))
-    through, _ = receive_through_link(payload, number * repeats)
+    through = receive_through_link(payload, number * repeats)
     rows.append(dict(config="receive through a Link", receive_us=_median_us(through, number, repeats)))
     base = next((r for r in rows if r["config"] == "construct" and "error" not in r), None)
     for r in rows:

@@ -933,16 +933,11 @@ class QueuePair:
             return
         op = hdr.opcode
         if op == _OP_WRITE:
-            n = len(payload)
-            mr = self.device.stags.lookup(hdr.stag)
-            code, off = (tables.INVALID_STAG, 0) if mr is None else mr.check(
-                self.pd, _REMOTE_WRITE, hdr.to, n, tagged=True)
+            code = self.device.stags.place(self.pd, _REMOTE_WRITE, hdr.stag, hdr.to, payload)
             if code:
-                self._terminate(_TERM_CODE[code], raw, n)
+                self._terminate(_TERM_CODE[code], raw, len(payload))
                 return
-            if n:
-                mr.view[off:off + n] = payload
-            self.rx_write_bytes += n
+            self.rx_write_bytes += len(payload)
         elif op == _OP_READ_RESPONSE:
             self._on_read_response(hdr, payload, raw)
         elif op in _Q0_OPCODES:

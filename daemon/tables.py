@@ -156,6 +156,23 @@ class STagTable:
         mr = self._slots[idx]
         return mr if mr is not None and mr.valid else None
 
+    def place(self, pd: ProtectionDomain, access: int, stag: int, to: int, data: memoryview) -> int:
+        """Place a tagged segment (RFC 5041 §7.1): check, then copy into the region ``stag`` names.
+
+        Returns OK, or the check code (INVALID_STAG, WRONG_PD, ACCESS, BOUNDS)
+        with nothing written.
+        """
+        mr = self.lookup(stag)
+        if mr is None:
+            return INVALID_STAG
+        n = len(data)
+        code, off = mr.check(pd, access, to, n, tagged=True)
+        if code:
+            return code
+        if n:
+            mr.view[off:off + n] = data
+        return OK
+
     def invalidate(self, stag: int) -> MemoryRegion | None:
         """Remove an STag; return its region (None if it did not resolve)."""
         mr = self.lookup(stag)
