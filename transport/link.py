@@ -236,6 +236,7 @@ class Link:
         self._ack_deadline: float | None = None
         self._last_rx_ts = 0
         self._last_rx_time = 0.0
+        self._arrived = 0.0  # arrival time of the datagram being processed
         self._adv_rwnd = config.rwnd_packets  # the window we last advertised
         # handshake and liveness
         self._hs_deadline: float | None = None
@@ -346,8 +347,19 @@ class Link:
 
     # --- input --------------------------------------------------------------
 
-    def datagram_received(self, data: bytes | bytearray | memoryview, now: float) -> None:
-        """Process one datagram from the peer.  Never raises on bad input."""
+    def datagram_received(self, data: bytes | bytearray | memoryview, now: float,
+                          arrived: float | None = None) -> None:
+        """Process one datagram from the peer.  Never raises on bad input.
+
+        ``arrived`` (≤ ``now``, default ``now``) is when the datagram reached
+        this host, if the owner knows (a kernel receive timestamp).  The time
+        it then waited for us to run is host scheduling, not the path:
+        congestion control's delay signal leaves it out, and so does the
+        echo we return (the peer's signal leaves it out too).  The RTO
+        estimator keeps it: a retransmission timer must outlast a daemon
+        that was not running.
+        """
+        self._arrived = now if arrived is None else arrived
         stats = self.stats
         stats.datagrams_received += 1
         try:
@@ -437,15 +449,17 @@ class Link:
         # Liveness, and what the next echo will return (the echo rule).
         self._last_heard = now
         self._last_rx_ts = ts_us
-        self._last_rx_time = now
+        self._last_rx_time = self._arrived
 
     def _rtt_sample(self, echo: int, now: float) -> float | None:
+        """Feed the RTO estimator the round trip up to ``now``; return the
+        congestion signal's sample, which ends at arrival (see datagram_received)."""
         d = (int(now * 1e6) - echo) & _U32
         if d >= _HALF:
             return None
-        s = d * 1e-6
-        self.rtt.update(s)
-        return s
+        self.rtt.update(d * 1e-6)
+        path = (int(self._arrived * 1e6) - echo) & _U32
+        return path * 1e-6 if path <= d else d * 1e-6
 
     def _process_ack(self, h: wl.LinkHeader, now: float) -> None:
         if h.ack == self._last_ack_field and not h.sack and self.rtt.srtt_s is not None:
@@ -682,8 +696,15 @@ class Link:
         s = self.config.send_buffer_packets - (self._next_n - self.recovery.una)
         return s if s > 0 else 0
 
-    def datagrams_to_send(self, now: float) -> list[bytes]:
-        """Complete link packets that may leave now (cwnd, rwnd and pacing respected)."""
+    def datagrams_to_send(self, now: float, clock: Any = None) -> list[bytes]:
+        """Complete link packets that may leave now (cwnd, rwnd and pacing respected).
+
+        ``clock``, if given, returns the time (as ``now``) and stamps each
+        DATA packet as it is built: a burst takes a while to build, and its
+        last packet (the one whose timestamp the peer echoes) would otherwise
+        carry the time the burst began and inflate the peer's RTT samples by
+        the whole build.
+        """
         out = self._out
         rec = self.recovery
         if (not out and self._snd_nxt >= self._next_n and not rec.lost and not self._ack_now
@@ -768,6 +789,10 @@ class Link:
                     # ACK_NOW on the last queued message, so the peer does
                     # not hold the ACK of a burst's tail for max_ack_delay_s.
                     flags = _ACK_NOW if snd_nxt >= next_n else 0
+                if clock is not None:
+                    t = clock()
+                    ts = int(t * 1e6) & _U32
+                    echo = (self._last_rx_ts + int((t - self._last_rx_time) * 1e6)) & _U32
                 out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd,
                                           body, sack))
                 rec.on_sent(n, size, retx)

@@ -467,3 +467,36 @@ def test_delivered_messages_never_alias_a_buffer_that_can_change() -> None:
     assert isinstance(got[0], memoryview) and got[0].readonly
     reused[:] = bytes(len(reused))  # the caller reuses its receive buffer
     assert bytes(got[1]) == b"second"
+
+
+def test_time_a_datagram_waited_for_its_reader_is_not_path_delay() -> None:
+    # A kernel arrival stamp lets the owner say when a datagram reached the
+    # host.  The wait until the daemon ran is scheduling: congestion
+    # control's sample leaves it out (ours here, and the peer's through the
+    # echo), the RTO estimator keeps it.
+    a, b = make_pair()
+    t = establish(a, b)
+    wait = 0.003
+    a.send(b"x", t)
+    (d,) = a.datagrams_to_send(t)
+    b.datagram_received(d, t + D + wait, arrived=t + D)  # b ran 3 ms late
+    (ack,) = b.datagrams_to_send(t + D + wait)
+    samples = []
+    a.cc.on_packets_acked = lambda acked, rtt_s, now: samples.append(rtt_s)  # type: ignore[method-assign]
+    a.datagram_received(ack, t + 2 * D + wait + wait, arrived=t + 2 * D + wait)  # and so did a
+    assert samples == [pytest.approx(2 * D)]  # the path alone: b's wait went into its echoed hold
+    assert a.rtt.latest_s == pytest.approx(2 * D + wait)  # the timer's sample keeps a's own wait
+
+
+def test_a_burst_is_stamped_packet_by_packet_when_given_a_clock() -> None:
+    a, b = make_pair()
+    t = establish(a, b)
+    for i in range(3):
+        a.send(bytes([i]), t)
+    ticks = iter([t + 0.0001, t + 0.0002, t + 0.0003])
+    out = a.datagrams_to_send(t, clock=lambda: next(ticks))
+    assert [wl.decode_untrusted(d)[0].ts_us for d in out] == [int((t + k * 0.0001) * 1e6) for k in (1, 2, 3)]
+    # Without a clock, the whole burst carries ``now``.
+    for i in range(2):
+        a.send(bytes([i]), t)
+    assert {wl.decode_untrusted(d)[0].ts_us for d in a.datagrams_to_send(t + 0.001)} == {int((t + 0.001) * 1e6)}
