@@ -108,6 +108,21 @@ def test_efe_probe_halves_the_window_for_two_rtts() -> None:
     assert cc.cwnd_bytes == pytest.approx(w / 2)
 
 
+def test_efe_probes_no_more_often_than_the_minimum_interval() -> None:
+    # On a host the window moves once per daemon pass, not once per (short,
+    # kernel-stamped) base RTT: probes every 10 base RTTs would come every
+    # 1 ms here; the host preset spaces them by at least min_probe_interval_s.
+    cc = efe(probe_rtts=10, first_probe_rtts=10, min_probe_interval_s=0.05)
+    cc.on_packets_acked(0, 100e-6, 0.0)
+    cc.on_packets_acked(MSS, 200e-6, 0.0001)  # out of startup
+    now = 0.0001
+    while now < 0.2:
+        now += 50e-6
+        cc.on_packets_acked(MSS, 105e-6, now)
+    assert cc.probes == 3  # at 50, 100 and 150 ms
+    assert base.create("efe-host", MSS).min_probe_interval_s > 0
+
+
 def test_efe_sub_packet_window_is_a_rate() -> None:
     cc = efe(min_window_packets=0.1)
     cc.on_packets_acked(0, 100e-6, 0.0)
