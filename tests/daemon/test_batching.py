@@ -187,14 +187,15 @@ def test_a_kernel_that_refuses_segmentation_gets_every_datagram_one_by_one() -> 
 class BacklogSocket:
     """A socket with ``n`` datagrams (garbage from an unknown peer) waiting."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, size: int = 40) -> None:
         self.left = n
+        self.size = size
 
     def recvfrom(self, size: int) -> tuple[bytes, tuple[str, int]]:
         if not self.left:
             raise BlockingIOError
         self.left -= 1
-        return b"\x00" * 40, ("127.0.0.9", 9)
+        return b"\x00" * self.size, ("127.0.0.9", 9)
 
     def recvmsg(self, size: int, anc: int) -> tuple[bytes, list[Any], int, tuple[str, int]]:
         data, addr = self.recvfrom(size)
@@ -214,6 +215,61 @@ async def test_a_pass_reads_a_bounded_number_of_datagrams() -> None:
     assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == 300
     dev.sock = None
     dev.close()
+
+
+async def test_a_pass_reads_a_bounded_number_of_bytes() -> None:
+    # 128 datagrams of 64 KB would be 8 MB of copying, CRC and placement in
+    # one pass, with every ACK waiting for its end: past the sender's RTO.
+    dev = Device(DeviceConfig(port=0))
+    dev.sock = BacklogSocket(100, size=65_000)  # type: ignore[assignment]
+    dev.poll_once()
+    read = dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"]
+    assert read == -(-devmod._RX_BYTE_BUDGET // 65_000) < devmod._RX_BUDGET
+    dev.sock = None
+    dev.close()
+
+
+@pytest.mark.parametrize("mtu", [1472, 8972, 65507])
+def test_the_receive_window_fits_in_the_socket_buffer(mtu: int) -> None:
+    # Flow control keeps what a peer may have in flight inside our socket
+    # buffer: 256 datagrams of 64 KB (16 MB) would overflow it.
+    dev = Device(DeviceConfig(addr="127.0.0.1", port=0, mtu=mtu))
+    dev.bind()
+    try:
+        rcvbuf = dev.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        rwnd = dev.link_config.rwnd_packets
+        assert 4 <= rwnd <= 256
+        assert rwnd * devmod.skb_truesize(mtu) <= rcvbuf
+        if mtu == 1472 and rcvbuf >= 4 << 20:
+            assert rwnd == 256  # small datagrams keep the full window
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize(("mtu", "measured"), [(1472, 2304), (8972, 16644), (65507, 66576)])
+def test_truesize_estimate_covers_what_the_kernel_charged(mtu: int, measured: int) -> None:
+    assert measured <= devmod.skb_truesize(mtu) <= 2 * measured
+
+
+async def test_a_datagram_carries_its_kernel_arrival_time_to_the_link() -> None:
+    # The receiver ran 20 ms after the datagram arrived: the link is told
+    # when it arrived (so congestion control does not see our lateness).
+    a, b = await _write_and_check(gso=True, mtu=1472, length=1000)
+    if not b.dev.rx_stamps:
+        pytest.skip("no SO_TIMESTAMPNS here")
+    a.post_write(8, 0, 1000, b, 4096)
+    a.dev.poll_once()
+    await trio.sleep(0.02)
+    b.dev.poll_once()
+    link = b.qp.link.link
+    assert link.stats.data_received >= 2
+    assert b.dev.now - 0.5 < link._arrived <= b.dev.now - 0.015
+
+
+def test_arrival_stamps_outside_the_last_second_are_not_trusted() -> None:
+    assert devmod._arrival(9.5, 10.0) == 9.5
+    assert devmod._arrival(10.5, 10.0) == 10.0  # from the future: a wall-clock step
+    assert devmod._arrival(8.0, 10.0) == 10.0
 
 
 def test_einval_on_one_run_sends_it_one_by_one_and_keeps_batching() -> None:
