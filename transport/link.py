@@ -792,7 +792,7 @@ class Link:
                 if clock is not None:
                     t = clock()
                     ts = int(t * 1e6) & _U32
-                    echo = (self._last_rx_ts + int((t - self._last_rx_time) * 1e6)) & _U32
+                    echo = self._echo(t)
                 out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd,
                                           body, sack))
                 rec.on_sent(n, size, retx)
