@@ -59,11 +59,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the daemon's random numbers (tags, ISNs)")
     p.add_argument("--no-gso", dest="gso", action="store_const", const=False,
                    help="send and receive every datagram with its own system call (no UDP_SEGMENT / UDP_GRO batching)")
+    p.add_argument("--no-native", dest="native", action="store_const", const=False,
+                   help="receive RDMA Write segments in Python only (no compiled lane; see wire/native.py)")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
 
-_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso")
+_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native")
 
 
 def load(argv: list[str] | None = None) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
-                           "cc": "efe-host", "gso": True}
+                           "cc": "efe-host", "gso": True, "native": True}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
@@ -88,8 +90,9 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
         v = getattr(args, k)
         if v is not None:
             cfg[k] = v
-    if not isinstance(cfg["gso"], bool):
-        raise ValueError(f"gso must be true or false, not {cfg['gso']!r}")
+    for key in ("gso", "native"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"{key} must be true or false, not {cfg[key]!r}")
     if not 576 - 28 <= int(cfg["mtu"]) <= 65507:
         raise ValueError(f"mtu {cfg['mtu']} out of range 548..65507")
     link = dict(cfg.pop("link", {}) or {})

@@ -62,8 +62,9 @@ import trio.testing
 
 from ..transport.congestion.base import create as create_cc
 from ..transport.link import Link, LinkConfig, LinkFailed, LinkUp
-from ..wire import ctl, envelope, segment, shm
+from ..wire import ctl, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
+from ..wire import native as wire_native
 from ..wire.envelope import Kind
 from ..wire.errors import WireError
 from ..wire.rdmap import Opcode
@@ -88,6 +89,10 @@ _RX_BYTE_BUDGET = 1 << 20
 #: requests the daemon answers by itself: no application waits on them, so
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
+_OP_WRITE = int(Opcode.RDMA_WRITE)
+_DDP_WORD = int(Kind.DDP) << 24
+_QP_RECEIVING = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD)
+_REMOTE_WRITE = int(shm.AccessFlags.IBV_ACCESS_REMOTE_WRITE)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
 # Linux UDP segmentation offload (include/uapi/linux/udp.h); the socket
 # module of Python 3.11 does not name them.
@@ -121,7 +126,7 @@ _ERR = S.IBV_QPS_ERR
 class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
-    __slots__ = ("device", "addr", "link", "qps", "up", "max_data", "failed_reason")
+    __slots__ = ("device", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint")
 
     def __init__(self, device: "Device", addr: tuple[str, int], link: Link) -> None:
         self.device = device
@@ -130,6 +135,9 @@ class PeerLink:
         self.qps: set[QueuePair] = set()
         self.up = True  # messages may be queued before the handshake ends
         self.failed_reason = ""
+        # (QP, STag) of the last RDMA Write segment received: what the
+        # compiled receive lane may place next (revalidated per call)
+        self.rx_hint: tuple[QueuePair, int] | None = None
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
 
@@ -146,7 +154,7 @@ class DeviceConfig:
                  max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
-                 gso: bool = True) -> None:
+                 gso: bool = True, native: bool = True) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -164,6 +172,8 @@ class DeviceConfig:
         self.cc = cc
         self.link = dict(link or {})
         self.gso = gso
+        #: the compiled receive lane for RDMA Write segments (wire/native.py)
+        self.native = native
 
 
 def skb_truesize(udp_payload: int) -> int:
@@ -233,6 +243,12 @@ class Device:
         self.gso = False  # UDP_SEGMENT sends (set by bind; dropped if the kernel refuses one)
         self.gro = False  # UDP_GRO receives (set by bind)
         self.rx_stamps = False  # SO_TIMESTAMPNS arrival times (set by bind)
+        self.native = wire_native.load() if config.native else None
+        self._rx_run: Any = None
+        if self.native is not None:
+            r = self._rx_run = self.native.ffi.new("udpv_rx_run *")
+            r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
+            r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
         self.gid = ctl.gid_from_ip(config.addr)
         self.epoll = select.epoll()
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -429,8 +445,8 @@ class Device:
                 except OSError:  # e.g. ICMP port unreachable reported on the socket
                     self.stats["rx_oserror"] += 1
                     continue
-                datagrams: Any = (data,)
                 arrived = now
+                seg = 0
                 byte_budget -= len(data)
                 if cmsgs:
                     if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
@@ -438,29 +454,35 @@ class Device:
                         # cannot read (so neither can we split the buffer).
                         self.stats["rx_truncated"] += 1
                         continue
-                    seg = 0
                     for level, kind, value in anc:
                         if level == SOL_UDP and kind == UDP_GRO and len(value) >= 4:
                             seg = int.from_bytes(value[:4], sys.byteorder)
                         elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(value) >= _TIMESPEC.size:
                             sec, nsec = _TIMESPEC.unpack_from(value)
                             arrived = _arrival(sec + nsec * 1e-9 + rt_to_now, now)
-                    # Coalesced by GRO: equal-size datagrams back to back (the
-                    # last may be shorter), the size in the control message.
-                    if 0 < seg < len(data):
-                        self.stats["rx_gro_batches"] += 1
-                        budget -= len(data) // seg
-                        view = memoryview(data)
-                        datagrams = [view[off:off + seg] for off in range(0, len(data), seg)]
+                # Coalesced by GRO: equal-size datagrams back to back (the
+                # last may be shorter), the size in the control message.
+                if 0 < seg < len(data):
+                    self.stats["rx_gro_batches"] += 1
+                    budget -= len(data) // seg
+                else:
+                    seg = len(data)
                 pl = links.get(addr)
-                for d in datagrams:
+                if pl is None:
+                    # Each datagram from an unknown peer is judged (and
+                    # counted) alone until one opens a link.
+                    start = 0
+                    while True:
+                        pl = self._passive_link(addr, data[start:start + seg])
+                        if pl is not None or start + seg >= len(data):
+                            break
+                        start += seg
                     if pl is None:
-                        pl = self._passive_link(addr, d)
-                        if pl is None:
-                            continue
-                    pl.link.datagram_received(d, now, arrived)
-                if pl is not None:
-                    touched.add(pl)
+                        continue
+                    if start:
+                        data = data[start:]
+                self._receive(pl, data, seg, now, arrived)
+                touched.add(pl)
             if touched:
                 progress = True
                 for pl in touched:
@@ -517,6 +539,82 @@ class Device:
             if self._flush_link(pl):
                 progress = True
         return progress
+
+    def _receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float) -> None:
+        """Feed one received buffer to ``pl``'s link: a datagram, or (``seg`` <
+        its length) datagrams of ``seg`` bytes coalesced by GRO.
+
+        While the peer streams an RDMA Write, runs of its segments go to the
+        compiled lane (``_place_run``).  The datagrams it does not take go
+        through the link one by one, and whatever they deliver is dispatched
+        at once: a later segment must not be placed before an earlier
+        message has had its effect (a Send with Invalidate, say).
+        """
+        link = pl.link
+        n = len(data)
+        if pl.rx_hint is None or n == 0:
+            if seg >= n:
+                link.datagram_received(data, now, arrived)
+            else:
+                view = memoryview(data)
+                for off in range(0, n, seg):
+                    link.datagram_received(view[off:off + seg], now, arrived)
+            return
+        view = memoryview(data)
+        off = 0
+        while off < n:
+            if pl.rx_hint is not None:
+                off += self._place_run(pl, data, off, seg, now, arrived)
+                if off >= n:
+                    break
+            link.datagram_received(view[off:off + seg], now, arrived)
+            off += seg
+            for msg in link.drain_received():
+                self._dispatch(pl, msg)
+
+    def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float) -> int:
+        """Place the run of RDMA Write segments at ``data[off:]`` that the
+        compiled lane accepts; return the bytes it consumed (0: none).
+
+        What the lane does not check, checked here once per call: the
+        hinted QP still receives on this link, and the STag still names a
+        region in its PD with remote write access.
+        """
+        qp, stag = pl.rx_hint  # type: ignore[misc]
+        mr = self.stags.lookup(stag)
+        if (mr is None or qp.state not in _QP_RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp
+                or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE):
+            pl.rx_hint = None
+            return 0
+        link = pl.link
+        expect = link.run_receivable()
+        if expect is None:
+            return 0
+        r = self._rx_run
+        r.conn_tag, r.seq, r.max_count = expect
+        r.w0 = _DDP_WORD | qp.qpn
+        r.w1 = qp.dest_qpn
+        r.stag = stag
+        r.base = 0 if mr.zero_based else mr.addr
+        r.length = mr.length
+        ffi = self.native.ffi
+        buf = ffi.from_buffer("uint8_t[]", data)
+        mem = ffi.from_buffer("uint8_t[]", mr.view, require_writable=True)
+        try:
+            k = self.native.lib.udpv_rx_write_run(r, buf + off, len(data) - off, seg, mem)
+        finally:
+            # no export may outlive the call: deregistration releases the view
+            ffi.release(mem)
+            ffi.release(buf)
+        if not k:
+            return 0
+        link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
+                               r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
+        qp.rx_write_bytes += r.bytes
+        self._delivered = True
+        self.stats["rx_native_datagrams"] += k
+        used = k * seg
+        return used if used < len(data) - off else len(data) - off
 
     def _qp_failed(self, qp: QueuePair) -> None:
         self.stats["qp_exception"] += 1
@@ -626,7 +724,12 @@ class Device:
                     return
                 if kind == Kind.DDP:
                     qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
-                    if hdr.opcode not in _ANSWERED_BY_DAEMON:
+                    op = hdr.opcode
+                    if op == _OP_WRITE:
+                        if self.native is not None:
+                            pl.rx_hint = (qp, hdr.stag)
+                        self._delivered = True
+                    elif op not in _ANSWERED_BY_DAEMON:
                         self._delivered = True
                 else:
                     qp.on_flow(payload)  # what it completes, the completion step reports

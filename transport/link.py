@@ -88,6 +88,7 @@ _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _RETX = int(wl.LinkFlags.RETRANSMISSION)
 _encode_fields = wl.encode_fields
 _decode = wl.decode_untrusted
+_TN = tuple.__new__
 
 
 class LinkState(enum.IntEnum):
@@ -394,6 +395,48 @@ class Link:
         if ptype == _DATA:
             self._data_received(h, body)
         elif ptype == _KEEPALIVE:
+            self._ack_now = True
+
+    def run_receivable(self) -> tuple[int, int, int] | None:
+        """``(our tag, next wire sequence, window room)`` when a run of
+        in-order DATA may be consumed by the owner and reported with
+        ``data_run_received``; None when each datagram must come through
+        ``datagram_received`` (not established, a hole to fill, undrained
+        messages that must reach the owner first, or no RTT sample yet, so
+        ACK processing is not yet the same for every packet)."""
+        if (self.state != _ESTABLISHED or self._ranges or self._delivered
+                or self.rtt.srtt_s is None):
+            return None
+        return self.tag, (self.peer_isn + self.rcv_nxt) & _U32, self.config.rwnd_packets
+
+    def data_run_received(self, count: int, ack: int, ts_us: int, ts_echo_us: int, rwnd: int, flags: int,
+                          last_ts_us: int, last_rwnd: int, flags_any: int, now: float,
+                          arrived: float | None = None) -> None:
+        """Account for ``count`` DATA packets the owner consumed itself.
+
+        The packets are the next ``count`` in order (from the sequence
+        ``run_receivable`` gave), with our tag, no SACK blocks, and one ACK
+        field ``ack``; the first carried ``ts_us``, ``ts_echo_us``, ``rwnd``
+        and ``flags``, the last ``last_ts_us`` and ``last_rwnd``;
+        ``flags_any`` is the OR of all their flags.  The state afterwards is
+        what ``datagram_received`` of each would have left, except that the
+        messages are not delivered (the owner has handled them).
+        """
+        self._arrived = now if arrived is None else arrived
+        stats = self.stats
+        stats.datagrams_received += count
+        stats.data_received += count
+        self._heard(last_ts_us, now)
+        self._process_ack(_TN(wl.LinkHeader, (_DATA, flags, self.path_id, self.tag, 0, ack, ts_us, ts_echo_us,
+                                              rwnd, ())), now)
+        if count > 1:
+            # later packets repeat the ACK field: the fast case of _process_ack
+            self.peer_rwnd = last_rwnd
+        self.rcv_nxt += count
+        if flags_any & _ACK_NOW:
+            self._ack_now = True
+        self._ack_count += count
+        if self._ack_count >= self.config.ack_every:
             self._ack_now = True
 
     def _handshake_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:

@@ -10,6 +10,7 @@ checked against a recording socket.
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
 from typing import Any
@@ -32,15 +33,16 @@ MR_LEN = 1 << 20
 class Host:
     """One device with a PD, one MR and one QP (number 1)."""
 
-    def __init__(self, ip: str, *, gso: bool, mtu: int = 1472) -> None:
-        self.dev = Device(DeviceConfig(addr=ip, port=0, seed=hash(ip) & 0xFFFF, mtu=mtu, gso=gso))
+    def __init__(self, ip: str, *, gso: bool, mtu: int = 1472, native: bool = True) -> None:
+        self.dev = Device(DeviceConfig(addr=ip, port=0, seed=hash(ip) & 0xFFFF, mtu=mtu, gso=gso, native=native))
         self.dev.bind()
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sess = Session(self.dev, trio.socket.from_stdlib_socket(a), pid=1)
+        self._ctl = trio.socket.from_stdlib_socket(a)
+        self.sess = Session(self.dev, self._ctl, pid=1)
         b.close()
         self.dev.sessions.add(self.sess)
         pd = tables.ProtectionDomain(1, self.sess)
-        _, mm = shm.new_segment(MR_LEN, "batching")
+        self._mr_fd, mm = shm.new_segment(MR_LEN, "batching")
         self.mr = tables.MemoryRegion(1, pd, ALL, 0x100000, MR_LEN, mm)
         self.dev.stags.register(self.mr)
         self.cq = CompletionQueue(1, self.sess, 256, None)
@@ -48,6 +50,16 @@ class Host:
                             {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 1, "max_recv_sge": 1,
                              "max_inline_data": 0}, False)
         self.dev.qps[1] = self.qp
+
+    def close(self) -> None:
+        """Release the device's sockets and the rings' and region's mappings."""
+        self.dev.close()
+        self.dev.stags.invalidate(self.mr.stag)
+        self.mr.close()
+        os.close(self._mr_fd)
+        self.qp.close()
+        self.cq.close()
+        os.close(self._ctl.detach())  # a trio socket closes only inside trio.run
 
     def connect(self, peer: "Host") -> None:
         qp = self.qp
@@ -61,12 +73,16 @@ class Host:
         modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_SQ_PSN | M.IBV_QP_TIMEOUT | M.IBV_QP_RETRY_CNT | M.IBV_QP_RNR_RETRY
                   | M.IBV_QP_MAX_QP_RD_ATOMIC, attrs)
 
-    def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int) -> None:
+    def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int,
+                   rkey: int | None = None) -> None:
+        """RDMA Write of ``length`` bytes from our MR at ``src_off`` to ``peer``'s at ``dst_off``
+        (``rkey`` overrides the peer MR's STag)."""
         ring = self.qp.sq
         ring.prod = ring.hdr.producer
         at = ring.next_slot_offset()
         shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(WrOpcode.IBV_WR_RDMA_WRITE),
-                                    int(shm.SendFlags.IBV_SEND_SIGNALED), 1, 0, peer.mr.stag, 0, 0, 0)
+                                    int(shm.SendFlags.IBV_SEND_SIGNALED), 1, 0,
+                                    peer.mr.stag if rkey is None else rkey, 0, 0, 0)
         shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET, self.mr.addr + src_off, length, self.mr.stag)
         ring.push()
         ring.publish()

@@ -1,0 +1,211 @@
+"""The compiled receive lane for RDMA Writes does what the Python path does.
+
+Two receiving devices built from the same seed, one with the lane and one
+without, get the same datagrams from one sender: in order, lost, duplicated,
+swapped, corrupted, coalesced into GRO buffers or not, for Writes that place
+and Writes that must end in a Terminate (unknown STag, past the region's
+end).  After every step they must answer the sender with the same bytes, and
+at the end hold the same memory, counters and QP state.  The clock is a
+number advanced by hand and the datagrams are carried by the test, so
+nothing depends on scheduling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from udpverbs.wire import native
+from udpverbs.wire.shm import QPState as S
+
+from .test_batching import MR_LEN, Host
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
+
+_STEP_S = 0.001
+
+
+def _mangle(out: list[bytes], rng: random.Random, loss: float, gro: float) -> list[tuple[bytes, int]]:
+    """What the network and the kernel make of ``out``: ``(buffer, segment size)`` receives."""
+    arriving: list[bytes] = []
+    for d in out:
+        x = rng.random()
+        if x < loss:
+            continue
+        if x < 2 * loss:
+            i = rng.randrange(len(d))
+            d = d[:i] + bytes([d[i] ^ (1 << rng.randrange(8))]) + d[i + 1:]
+        arriving.append(d)
+        if rng.random() < loss:
+            arriving.append(d)
+    for i in range(len(arriving) - 1):
+        if rng.random() < loss:
+            arriving[i], arriving[i + 1] = arriving[i + 1], arriving[i]
+    # GRO: a run of equal sizes, the last possibly shorter, in one buffer
+    receives: list[tuple[bytes, int]] = []
+    i = 0
+    while i < len(arriving):
+        size = len(arriving[i])
+        j = i + 1
+        if rng.random() < gro:
+            while j < len(arriving) and j - i < 64 and len(arriving[j]) <= size:
+                j += 1
+                if len(arriving[j - 1]) < size:
+                    break
+        receives.append((b"".join(arriving[i:j]), size))
+        i = j
+    return receives
+
+
+def _receive(host: Host, pl: object, receives: list[tuple[bytes, int]], now: float) -> None:
+    dev = host.dev
+    for buf, seg in receives:
+        dev._receive(pl, buf, seg, now, now)  # type: ignore[arg-type]
+    for msg in pl.link.drain_received():  # type: ignore[attr-defined]
+        dev._dispatch(pl, msg)  # type: ignore[arg-type]
+
+
+def _turn(host: Host, pl: object, now: float) -> list[bytes]:
+    """The rest of a data-loop pass: timers, completions, pump, what leaves."""
+    dev, qp, link = host.dev, host.qp, pl.link  # type: ignore[attr-defined]
+    dev.now = now
+    d = link.next_deadline()
+    if d is not None and d <= now:
+        link.timer_fired(now)
+    if qp.state == S.IBV_QPS_ERR:
+        qp.flush_rings()
+    else:
+        if qp.outstanding:
+            qp.complete_acked(link.acked)
+        qp.pump(64)
+    return link.datagrams_to_send(now)
+
+
+def _link_state(pl: object) -> tuple[object, ...]:
+    link = pl.link  # type: ignore[attr-defined]
+    return (link.rcv_nxt, link.peer_rwnd, link._last_ack_field, link._last_rx_ts, link._ack_now, link._ack_count,
+            link.acked, link.srtt_s, link.cwnd_bytes, link.stats.as_dict())
+
+
+@contextlib.contextmanager
+def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: int = 0,
+         gro: float = 0.7, reply_len: int = 30_000) -> Iterator[tuple[Host, Host]]:
+    """A writes ``writes`` to both receivers, which write ``replies`` Writes back (so
+    the ACK field of A's datagrams moves while A's own Writes stream); yields
+    A and the receiver with the lane."""
+    hosts = [Host("127.0.0.2", gso=False), Host("127.0.0.3", gso=False, native=True),
+             Host("127.0.0.3", gso=False, native=False)]  # the same seed: same tags, ISNs, STags
+    try:
+        yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len)
+    finally:
+        for h in hosts:
+            h.close()
+
+
+def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[tuple[int, int, str]],
+              loss: float, replies: int, gro: float, reply_len: int) -> tuple[Host, Host]:
+    assert fast.dev.native is not None and slow.dev.native is None
+    clock = [1.0]
+    for h in (a, fast, slow):
+        h.dev._clock = lambda: clock[0]
+    a.connect(fast)
+    fast.connect(a)
+    slow.connect(a)
+    a_addr = (a.dev.config.addr, a.dev.config.port)
+    pa = a.dev.links[(fast.dev.config.addr, fast.dev.config.port)]
+    pf, ps = fast.dev.links[a_addr], slow.dev.links[a_addr]
+    a.mr.view[:] = rng.randbytes(MR_LEN)
+    fast.mr.view[:] = slow.mr.view[:] = rng.randbytes(MR_LEN)
+    for i in range(replies):
+        length, dst = rng.randrange(reply_len), rng.randrange(MR_LEN - reply_len)
+        for h in (fast, slow):
+            h.post_write(100 + i, dst, length, a, dst)
+    for i, (length, dst, kind) in enumerate(writes):
+        rkey = fast.mr.stag + (1 << 8) if kind == "bad_stag" else None
+        if kind == "past_end":
+            dst = MR_LEN - length // 2 - 1
+        a.post_write(i, 0, length, fast, dst, rkey=rkey)
+    done: list[tuple[int, int]] = []
+    held: list[bytes] = []
+    for _ in range(4000):
+        clock[0] += _STEP_S
+        now = clock[0]
+        held += _turn(a, pa, now)
+        if rng.random() < 0.3:
+            continue  # arrives with the next step's: a GRO buffer may span two of A's passes
+        receives = _mangle(held, rng, loss, gro)
+        held = []
+        _receive(fast, pf, receives, now)
+        _receive(slow, ps, receives, now)
+        out_f, out_s = _turn(fast, pf, now), _turn(slow, ps, now)
+        assert out_f == out_s  # the same ACKs, windows, echoes, Terminates
+        assert _link_state(pf) == _link_state(ps)
+        _receive(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
+        done += a.completions()
+        replied = len(fast.completions())
+        assert replied == len(slow.completions())
+        replies -= replied
+        if len(done) == len(writes) and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
+            break
+    # both receivers ran the same datagrams to the same end
+    assert bytes(fast.mr.view) == bytes(slow.mr.view)
+    assert pf.link.stats.as_dict() == ps.link.stats.as_dict()
+    assert pf.link.rcv_nxt == ps.link.rcv_nxt
+    assert fast.qp.state == slow.qp.state and fast.qp.rx_write_bytes == slow.qp.rx_write_bytes
+    lane = fast.dev.stats.pop("rx_native_datagrams", 0)
+    assert +fast.dev.stats == +slow.dev.stats
+    fast.dev.stats["rx_native_datagrams"] = lane
+    return a, fast
+
+
+_WRITE = st.tuples(st.integers(0, 40_000), st.integers(0, MR_LEN - 40_000),
+                   st.sampled_from(["ok"] * 8 + ["bad_stag", "past_end"]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32), writes=st.lists(_WRITE, min_size=1, max_size=5),
+       loss=st.sampled_from([0.0, 0.02, 0.1]), replies=st.integers(0, 3))
+def test_the_lane_and_the_python_path_agree(seed: int, writes: list[tuple[int, int, str]], loss: float,
+                                            replies: int) -> None:
+    with _run(seed, writes, loss, replies):
+        pass
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+@pytest.mark.parametrize("bad", ["bad_stag", "past_end"])
+def test_a_bad_write_behind_a_good_one_ends_alike(bad: str, loss: float) -> None:
+    # the lane holds the good Write's STag when the bad one's first segment comes
+    with _run(3, [(30_000, 0, "ok"), (30_000, 100_000, bad)], loss) as (_, fast):
+        assert fast.dev.stats["terminate_sent"] == 1 and fast.qp.state == S.IBV_QPS_ERR
+
+
+@pytest.mark.parametrize("gro", [0.0, 0.7])
+def test_writes_in_both_directions_at_once(gro: float) -> None:
+    # the ACK field of A's datagrams moves while its Writes stream
+    with _run(11, [(300_000, 0, "ok"), (300_000, 300_000, "ok")], 0.0, replies=3, gro=gro, reply_len=300_000):
+        pass
+
+
+def test_a_clean_stream_goes_through_the_lane_and_arrives_byte_exact() -> None:
+    writes = [(300_000, 4096, "ok"), (1, 0, "ok"), (70_000, 500_000, "ok")]
+    with _run(7, writes, 0.0) as (a, fast):
+        assert a.qp.state == S.IBV_QPS_RTS
+        assert fast.dev.stats["rx_native_datagrams"] > 200  # all but each Write's first segment
+        view = fast.mr.view
+        assert bytes(view[4096:4096 + 300_000]) == bytes(a.mr.view[:300_000])
+        assert bytes(view[500_000:570_000]) == bytes(a.mr.view[:70_000])
+        assert view[0] == a.mr.view[0]
+
+
+
+def test_the_daemon_flag_turns_the_lane_off() -> None:
+    from udpverbs.daemon import config
+    from udpverbs.daemon.device import Device, DeviceConfig
+
+    assert config.load([])["native"] is True
+    assert config.load(["--no-native"])["native"] is False
+    assert Device(DeviceConfig(native=False)).native is None

@@ -1,0 +1,140 @@
+"""The compiled Write lane's contract, datagram by datagram.
+
+``udpv_rx_write_run`` places a run of in-order RDMA Write segments and stops
+at the first datagram that is not one (which the Python path then handles).
+Datagrams here are built with the shipped encoders (``link.encode_fields``,
+``segment.pack_tagged_into``); each case spoils one field of the third and
+expects the run to end before it, with nothing of it written.  That the lane
+and the Python path agree on whole streams is
+``tests/daemon/test_native_lane.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from udpverbs.wire import link, native, rdmap, segment
+from udpverbs.wire.link import PacketType
+from udpverbs.wire.rdmap import Opcode
+
+mod = native.load()
+pytestmark = pytest.mark.skipif(mod is None, reason="no C compiler here: the daemon uses the Python path")
+
+TAG, ISN, ACK, QPN, PEER_QPN, STAG, BASE, LENGTH = 0x5EED5EED, 1000, 77, 5, 9, 0x1234501, 0x7F0000, 64 * 1024
+PAYLOAD = 1000
+
+
+def _datagram(i: int, *, ptype: int = PacketType.DATA, tag: int = TAG, seq_off: int = 0, ack: int = ACK,
+              sack: tuple[tuple[int, int], ...] = (), opcode: int = Opcode.RDMA_WRITE, dst_qpn: int = QPN,
+              src_qpn: int = PEER_QPN, flags: int = 0, stag: int = STAG, to: int | None = None,
+              payload: bytes | None = None) -> bytes:
+    body = bytearray(segment.TAGGED_PREFIX_LEN)
+    segment.pack_tagged_into(body, 0, dst_qpn, src_qpn, opcode, i == 4, stag,
+                             BASE + i * PAYLOAD if to is None else to)
+    body[4] |= flags  # envelope flags share the second word with the source QPN
+    body += bytes([i]) * PAYLOAD if payload is None else payload
+    return link.encode_fields(ptype, link.LinkFlags.ACK_NOW if i == 4 else 0, 0, tag, ISN + i + seq_off, ack,
+                              1000 + i, 500 + i, 200 - i, body, sack)
+
+
+def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256) -> tuple[int, object, bytearray]:
+    assert mod is not None
+    ffi, lib = mod.ffi, mod.lib
+    r = ffi.new("udpv_rx_run *")
+    r.conn_tag, r.seq, r.max_count = TAG, ISN, max_count
+    r.w0, r.w1 = (1 << 24) | QPN, PEER_QPN
+    r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
+    r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
+    r.stag, r.base, r.length = STAG, BASE, LENGTH
+    mem = bytearray(LENGTH)
+    buf = b"".join(datagrams)
+    k = lib.udpv_rx_write_run(r, buf, len(buf), seg or len(datagrams[0]), ffi.from_buffer("uint8_t[]", mem))
+    return k, r, mem
+
+
+def test_a_clean_run_is_placed_whole_with_its_link_fields() -> None:
+    k, r, mem = _run([_datagram(i) for i in range(5)])
+    assert k == 5
+    assert bytes(mem[:5 * PAYLOAD]) == b"".join(bytes([i]) * PAYLOAD for i in range(5))
+    assert not any(mem[5 * PAYLOAD:])
+    assert (r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags) == (ACK, 1000, 500, 200, 0)
+    assert (r.last_ts, r.last_rwnd, r.flags_or, r.bytes) == (1004, 196, link.LinkFlags.ACK_NOW, 5 * PAYLOAD)
+
+
+def test_the_window_bounds_the_run() -> None:
+    assert _run([_datagram(i) for i in range(5)], max_count=3)[0] == 3
+
+
+def test_a_shorter_last_datagram_ends_a_gro_buffer() -> None:
+    ds = [_datagram(i) for i in range(4)] + [_datagram(4, payload=b"\xff" * 10)]
+    k, r, mem = _run(ds, seg=len(ds[0]))
+    assert k == 5 and bytes(mem[4 * PAYLOAD:4 * PAYLOAD + 11]) == b"\xff" * 10 + b"\0"
+
+
+def _flip_crc(d: bytes) -> bytes:
+    return d[:-1] + bytes([d[-1] ^ 1])
+
+
+def _version(d: bytes) -> bytes:
+    body = bytearray(d[:-4])
+    body[0] = 2
+    return bytes(body) + link._CRC.pack(link._crc32c(body))
+
+
+def _reserved(d: bytes) -> bytes:
+    body = bytearray(d[:-4])
+    body[27] = 1
+    return bytes(body) + link._CRC.pack(link._crc32c(body))
+
+
+SPOILERS: dict[str, Callable[[], bytes]] = {
+    "crc": lambda: _flip_crc(_datagram(2)),
+    "version": lambda: _version(_datagram(2)),
+    "reserved": lambda: _reserved(_datagram(2)),
+    "ack packet": lambda: _datagram(2, ptype=PacketType.ACK),
+    "sack blocks": lambda: _datagram(2, sack=((ISN + 9, ISN + 10),)),
+    "tag": lambda: _datagram(2, tag=TAG + 1),
+    "sequence": lambda: _datagram(2, seq_off=1),
+    "ack field moved": lambda: _datagram(2, ack=ACK + 1),
+    "other qp": lambda: _datagram(2, dst_qpn=QPN + 1),
+    "other peer qp": lambda: _datagram(2, src_qpn=PEER_QPN + 1),
+    "envelope flags": lambda: _datagram(2, flags=1),
+    "read response": lambda: _datagram(2, opcode=Opcode.RDMA_READ_RESPONSE),
+    "other stag": lambda: _datagram(2, stag=STAG + 0x100),
+    "below the region": lambda: _datagram(2, to=BASE - 1),
+    "past the region": lambda: _datagram(2, to=BASE + LENGTH - PAYLOAD + 1),
+    "offset wraps": lambda: _datagram(2, to=(1 << 64) - 1),
+    "too short": lambda: _datagram(2)[:link.HEADER_LEN + segment.TAGGED_PREFIX_LEN + 3],
+    "shorter than a CRC": lambda: _datagram(2)[:3],
+}
+
+
+@pytest.mark.parametrize("spoil", sorted(SPOILERS))
+def test_the_run_stops_before_a_datagram_it_does_not_recognise(spoil: str) -> None:
+    bad = SPOILERS[spoil]()
+    ds = [_datagram(0), _datagram(1), bad, _datagram(3)]
+    if len(bad) == len(ds[0]):  # GRO coalesces equal sizes only
+        k, _, mem = _run(ds)
+        assert k == 2 and not any(mem[2 * PAYLOAD:])
+    if spoil != "ack field moved":  # a run may start at any ACK field
+        k, _, mem = _run([bad])
+        assert k == 0 and not any(mem)
+
+
+def test_the_region_end_is_inclusive() -> None:
+    k, _, mem = _run([_datagram(0, to=BASE + LENGTH - PAYLOAD, payload=b"\x01" * PAYLOAD)])
+    assert k == 1 and mem[-PAYLOAD:] == b"\x01" * PAYLOAD and not any(mem[:-PAYLOAD])
+
+
+def test_crc32c_matches_the_crc32c_package() -> None:
+    from crc32c import crc32c
+
+    assert mod is not None
+    rng = random.Random(5)
+    for n in [0, 1, 7, 8, 9, 1468, 6143, 6144, 6145, 12_289, 65_503, 200_000]:
+        data = rng.randbytes(n)
+        for start in (0, 0xDEADBEEF):
+            assert mod.lib.udpv_crc32c(start, data, n) == crc32c(data, start), n

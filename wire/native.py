@@ -1,0 +1,141 @@
+"""The compiled receive lane for RDMA Write segments (cffi API mode).
+
+Theory of operation
+-------------------
+In a bulk RDMA Write the receiving daemon spends about 10 µs of Python per
+datagram on work that is the same every time: check the CRC and the link
+header, see that the packet is the next in order, parse envelope and DDP
+header, check the STag and bounds, copy the payload.  ``_native.c`` does that
+for a *run* of datagrams (a GRO buffer, or one datagram) in one call, under
+conditions the daemon checks once per call (see ``daemon/device.py``,
+``Device._receive``): one established link with nothing out of order, one
+QP able to receive, one STag naming a region that QP may write.  The call
+stops at the first datagram it does not recognise, and the Python path
+handles that one, so the C code never produces an error or a Terminate; the
+link then applies the run's bookkeeping in one step
+(``Link.data_run_received``).  ``tests/wire/test_native.py`` proves that
+both paths leave the same bytes in memory and the same link state.
+
+The extension is built on first use with the machine's C compiler into a
+cache directory (``$XDG_CACHE_HOME/udpverbs``, else ``~/.cache/udpverbs``),
+named by a hash of the C source and the Python ABI, so a changed source is
+rebuilt and two daemons starting at once do not corrupt each other's build
+(each builds in its own directory and renames into place).  Without a
+compiler, or with ``UDPVERBS_NATIVE=0``, :func:`load` returns None and the
+daemon uses the Python path alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import sysconfig
+import tempfile
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+CDEF = """
+typedef struct {
+    uint32_t conn_tag;
+    uint32_t seq;
+    uint32_t max_count;
+    uint32_t w0, w1;
+    uint8_t ctrl_more;
+    uint8_t ctrl_last;
+    uint8_t rctl;
+    uint32_t stag;
+    uint64_t base;
+    uint64_t length;
+    uint32_t first_ack, first_ts, first_echo, last_ts;
+    uint32_t first_rwnd, last_rwnd;
+    uint32_t first_flags, flags_or;
+    uint64_t bytes;
+} udpv_rx_run;
+
+size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem);
+uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n);
+"""
+
+_SOURCE = pathlib.Path(__file__).with_name("_native.c")
+_loaded: ModuleType | None = None
+_tried = False
+
+
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "udpverbs"
+
+
+def _module_name(source: str) -> str:
+    tag = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+    digest = hashlib.sha256((CDEF + source + str(tag)).encode()).hexdigest()[:16]
+    return f"_udpverbs_native_{digest}"
+
+
+def _import(name: str, path: pathlib.Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def build(target_dir: pathlib.Path) -> pathlib.Path:
+    """Compile the extension into ``target_dir``; return the library's path.
+
+    Raises:
+        Exception: whatever the compiler or cffi raised (no compiler, no headers).
+    """
+    import cffi
+
+    source = _SOURCE.read_text()
+    name = _module_name(source)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    final = target_dir / (name + suffix)
+    if final.exists():
+        return final
+    target_dir.mkdir(parents=True, exist_ok=True)
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(name, source, extra_compile_args=["-O2"])
+    with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
+        built = pathlib.Path(ffi.compile(tmpdir=tmp, verbose=False))
+        # rename is atomic: a concurrent build of the same source wins or loses whole
+        os.replace(built, final)
+    for stale in target_dir.glob("_udpverbs_native_*"):
+        if stale != final and stale.is_file():
+            stale.unlink(missing_ok=True)
+    return final
+
+
+def load() -> ModuleType | None:
+    """The compiled module (``.ffi``, ``.lib``), or None if disabled or not buildable.
+
+    Built once per process; a failure is logged once and not retried.
+    """
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    if os.environ.get("UDPVERBS_NATIVE", "1") == "0":
+        return None
+    try:
+        path = build(cache_dir())
+        _loaded = _import(path.name.split(".")[0], path)
+    except Exception as e:  # no compiler, no Python headers, read-only home...
+        log.warning("compiled receive lane unavailable (%s): using the Python path", e)
+        _loaded = None
+    return _loaded
+
+
+def clear_cache() -> None:
+    """Remove built modules (for tests of the build)."""
+    shutil.rmtree(cache_dir(), ignore_errors=True)
