@@ -70,7 +70,7 @@ from ..wire.errors import WireError
 from ..wire.rdmap import Opcode
 from ..wire.shm import EventType, QPState as S, WcStatus as W
 from . import tables
-from .qp import QueuePair
+from .qp import _OP_WRITE, _RECEIVING, _REMOTE_WRITE, QueuePair
 
 log = logging.getLogger("udpverbs.daemon")
 
@@ -89,10 +89,6 @@ _RX_BYTE_BUDGET = 1 << 20
 #: requests the daemon answers by itself: no application waits on them, so
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
-_OP_WRITE = int(Opcode.RDMA_WRITE)
-_DDP_WORD = int(Kind.DDP) << 24
-_QP_RECEIVING = (S.IBV_QPS_RTR, S.IBV_QPS_RTS, S.IBV_QPS_SQD)
-_REMOTE_WRITE = int(shm.AccessFlags.IBV_ACCESS_REMOTE_WRITE)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
 # Linux UDP segmentation offload (include/uapi/linux/udp.h); the socket
 # module of Python 3.11 does not name them.
@@ -582,7 +578,7 @@ class Device:
         """
         qp, stag = pl.rx_hint  # type: ignore[misc]
         mr = self.stags.lookup(stag)
-        if (mr is None or qp.state not in _QP_RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp
+        if (mr is None or qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp
                 or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE):
             pl.rx_hint = None
             return 0
@@ -592,7 +588,7 @@ class Device:
             return 0
         r = self._rx_run
         r.conn_tag, r.seq, r.max_count = expect
-        r.w0 = _DDP_WORD | qp.qpn
+        r.w0 = segment._DDP_WORD | qp.qpn
         r.w1 = qp.dest_qpn
         r.stag = stag
         r.base = 0 if mr.zero_based else mr.addr

@@ -2,8 +2,9 @@
  *
  * The byte layouts here are the ones declared in wire/link.py (link header,
  * 28 B + CRC32c trailer), wire/envelope.py (8 B) and wire/rdmap.py (tagged
- * DDP header, 14 B); tests/wire/test_native.py proves that this code takes
- * exactly the datagrams the Python path would place, and places them alike.
+ * DDP header, 14 B); tests/wire/test_native.py checks that a run ends at
+ * each field this code must refuse, and tests/daemon/test_native_lane.py
+ * that a daemon with this lane and one without end every stream alike.
  * Anything it does not recognise ends the run: the Python path then handles
  * that datagram, so this code never has to produce an error.
  */
@@ -49,8 +50,8 @@ static uint32_t crc32c_sw(uint32_t crc, const uint8_t *p, size_t n) {
    long inputs run as three interleaved streams over blocks of BLK bytes,
    joined by the linearity of the CRC register: reg(A|B|C, c) =
    shift_2BLK(reg(A, c)) ^ shift_BLK(reg(B, 0)) ^ reg(C, 0), where shift_L is
-   the effect of L zero bytes (tables built once).  About three times faster
-   on a 64 KB datagram than one stream. */
+   the effect of L zero bytes (tables built once).  On a 64 KB datagram:
+   4.7 µs, where one stream took 9.2 (the crc32c package: 3.9). */
 enum { BLK = 2048 };
 static uint32_t shift1[4][256], shift2[4][256];
 static int shift_ready;

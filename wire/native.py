@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-In a bulk RDMA Write the receiving daemon spends about 10 µs of Python per
-datagram on work that is the same every time: check the CRC and the link
+In a bulk RDMA Write the receiving daemon spent 11–17 µs of Python per
+datagram (in-process, ``tests/daemon/inprocess_bw.py --no-native``) on work that is the same every time: check the CRC and the link
 header, see that the packet is the next in order, parse envelope and DDP
 header, check the STag and bounds, copy the payload.  ``_native.c`` does that
 for a *run* of datagrams (a GRO buffer, or one datagram) in one call, under
@@ -33,7 +33,6 @@ import importlib.util
 import logging
 import os
 import pathlib
-import shutil
 import sys
 import sysconfig
 import tempfile
@@ -135,7 +134,3 @@ def load() -> ModuleType | None:
         _loaded = None
     return _loaded
 
-
-def clear_cache() -> None:
-    """Remove built modules (for tests of the build)."""
-    shutil.rmtree(cache_dir(), ignore_errors=True)

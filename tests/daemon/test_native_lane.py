@@ -208,4 +208,8 @@ def test_the_daemon_flag_turns_the_lane_off() -> None:
 
     assert config.load([])["native"] is True
     assert config.load(["--no-native"])["native"] is False
-    assert Device(DeviceConfig(native=False)).native is None
+    dev = Device(DeviceConfig(native=False))
+    try:
+        assert dev.native is None
+    finally:
+        dev.close()
