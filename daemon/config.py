@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gso", dest="gso", action="store_const", const=False,
                    help="send and receive every datagram with its own system call (no UDP_SEGMENT / UDP_GRO batching)")
     p.add_argument("--no-native", dest="native", action="store_const", const=False,
-                   help="receive RDMA Write segments in Python only (no compiled lane; see wire/native.py)")
+                   help="build and place tagged segments in Python only (no compiled lanes; see wire/native.py)")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 

@@ -141,6 +141,34 @@ class PeerLink:
         """Queue one message on the link; return its message number."""
         return self.link.send(message, self.device.now)
 
+    def send_tagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, stag: int, to: int, src: memoryview,
+                        start: int, count: int, last_len: int, ends: bool) -> int:
+        """Queue ``count`` tagged segments of one message, payload from
+        ``src[start:]`` (``max_data`` bytes each, the last ``last_len``),
+        built by the compiled send lane; return the last one's message number.
+
+        ``ends``: the last of them is the message's last segment.
+        """
+        dev = self.device
+        ffi = dev.native.ffi
+        t = dev.tx_tagged
+        t.w0 = segment._DDP_WORD | dst_qpn
+        t.w1 = src_qpn
+        t.ctrl_more, t.rctl_more = rdmap.tagged_control(opcode, False)
+        t.ctrl_last, t.rctl_last = rdmap.tagged_control(opcode, True)
+        t.stag = stag
+        t.to = to
+        stride = segment.TAGGED_PREFIX_LEN + self.max_data
+        buf = bytearray((count - 1) * stride + segment.TAGGED_PREFIX_LEN + last_len)
+        dst = ffi.from_buffer("uint8_t[]", buf)
+        mem = ffi.from_buffer("uint8_t[]", src)
+        try:
+            dev.native.lib.udpv_tx_tagged_bodies(t, dst, mem + start, count, stride, last_len, ends)
+        finally:
+            ffi.release(mem)  # no export may outlive the call: deregistration releases the view
+            ffi.release(dst)
+        return self.link.send_run(buf, stride, count, segment.TAGGED_PREFIX_LEN + last_len) + count - 1
+
 
 class DeviceConfig:
     """What a device is: name, UDP address, limits (filled from flags/TOML)."""
@@ -168,7 +196,7 @@ class DeviceConfig:
         self.cc = cc
         self.link = dict(link or {})
         self.gso = gso
-        #: the compiled receive lane for RDMA Write segments (wire/native.py)
+        #: the compiled lanes for tagged segments, receive and send (wire/native.py)
         self.native = native
 
 
@@ -245,6 +273,7 @@ class Device:
             r = self._rx_run = self.native.ffi.new("udpv_rx_run *")
             r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
             r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
+            self.tx_tagged = self.native.ffi.new("udpv_tx_tagged *")  # the send lane's segment fields
         self.gid = ctl.gid_from_ip(config.addr)
         self.epoll = select.epoll()
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -384,7 +413,7 @@ class Device:
         if pl is None:
             if len(self.links) >= MAX_LINKS:
                 raise tables.TableError(errno.ENOMEM, "too many peer links")
-            link = Link(self.link_config, rng=self.rng, incarnation=self.incarnation)
+            link = Link(self.link_config, rng=self.rng, incarnation=self.incarnation, framer=self.native)
             link.connect(self._time())
             pl = PeerLink(self, addr, link)
             self.links[addr] = pl
@@ -627,7 +656,7 @@ class Device:
             self._send_each(out, pl.addr)
         return True
 
-    def _send_each(self, out: list[bytes], addr: tuple[str, int]) -> None:
+    def _send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
         """One ``sendto`` per datagram."""
         assert self.sock is not None
         sendto = self.sock.sendto
@@ -639,7 +668,7 @@ class Device:
             except OSError:
                 self.stats["tx_oserror"] += 1
 
-    def _send_segmented(self, out: list[bytes], addr: tuple[str, int]) -> None:
+    def _send_segmented(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
         """Send ``out`` in runs of equal-size datagrams, one UDP_SEGMENT sendmsg per run.
 
         A run is datagrams of one size, at most GSO_MAX_SEGMENTS and
@@ -699,7 +728,8 @@ class Device:
         if h.ptype != wire_link.PacketType.INIT or len(self.links) >= MAX_LINKS:
             self.stats["rx_unknown_peer"] += 1
             return None
-        pl = PeerLink(self, addr, Link(self.link_config, rng=self.rng, incarnation=self.incarnation))
+        pl = PeerLink(self, addr, Link(self.link_config, rng=self.rng, incarnation=self.incarnation,
+                                       framer=self.native))
         self.links[addr] = pl
         log.info("link from %s:%d", *addr)
         return pl
@@ -861,6 +891,8 @@ class Device:
     def dump_stats(self) -> dict[str, int]:
         out = dict(self.stats)
         for pl in self.links.values():
+            if pl.link.framed_datagrams:
+                out["tx_native_datagrams"] = out.get("tx_native_datagrams", 0) + pl.link.framed_datagrams
             for k, v in pl.link.stats.as_dict().items():
                 out[f"link_{k}"] = out.get(f"link_{k}", 0) + v
         return out

@@ -289,6 +289,26 @@ class OutWR:
         self.atomic_msn = -1  # queue-3 MSN of an Atomic Request
 
 
+def _tagged_run(remaining: int, contiguous: int, max_data: int, room: int, space: int) -> tuple[int, int, bool]:
+    """How many of a message's next segments the send lane builds in one go:
+    ``(count, the last one's payload length, whether it is the message's
+    last)``; count 0 (fewer than two): the per-segment path.
+
+    ``remaining``: the message's bytes not yet sent, ``contiguous`` of them
+    in one buffer; ``room``, ``space``: segments the pump and the link take.
+    """
+    if remaining <= contiguous:
+        segments = -(-remaining // max_data)
+    else:
+        segments = contiguous // max_data  # whole segments: the one spanning two SGEs goes by copy_out
+    k = min(segments, room, space)
+    if k < 2:
+        return 0, 0, False
+    if k == segments and remaining <= contiguous:
+        return k, remaining - (k - 1) * max_data, True
+    return k, max_data, False
+
+
 class _Gather:
     """A resolved SGE list: (view, offset, length) pieces and a cursor."""
 
@@ -304,6 +324,14 @@ class _Gather:
         """Start gathering from the first byte again (a NACKed Send is re-sent whole)."""
         self.idx = 0
         self.off = 0
+
+    def skip(self, n: int) -> None:
+        """Move the cursor ``n`` bytes on, within the current piece (the send
+        lane copied them)."""
+        self.off += n
+        if self.off == self.pieces[self.idx][2]:
+            self.idx += 1
+            self.off = 0
 
     def copy_out(self, buf: bytearray, pos: int, n: int) -> None:
         """Copy the next ``n`` bytes of the gather list into ``buf[pos:]``."""
@@ -742,11 +770,11 @@ class QueuePair:
     def _pump_messages(self, link: "PeerLink", budget: int) -> int:
         sent = 0
         max_data = link.max_data
+        lane = self.device.native is not None
         while sent < budget and link.link.send_space() > 0:
             # Read and atomic responses first: the peer is waiting on us.
             if self.irrq:
-                self._send_response(max_data)
-                sent += 1
+                sent += self._send_response(max_data, budget - sent if lane else 1)
                 continue
             if self.state != _RTS:
                 break
@@ -768,7 +796,24 @@ class QueuePair:
                     break
                 continue
             # RFC 5040 §5.1: an RDMA Write is tagged segments into the peer's STag.
-            n = min(max_data, s.gather.total - s.sent)
+            remaining = s.gather.total - s.sent
+            if lane and remaining > max_data:
+                # Two segments or more: the run within the current SGE goes
+                # through the compiled send lane.
+                g = s.gather
+                view, base, length = g.pieces[g.idx]
+                k, last_len, ends = _tagged_run(remaining, length - g.off, max_data, budget - sent,
+                                                link.link.send_space())
+                if k:
+                    num = link.send_tagged_run(Opcode.RDMA_WRITE, self.dest_qpn, self.qpn, s.wr.rkey,
+                                               (s.wr.raddr + s.sent) & _U64, view, base + g.off, k, last_len, ends)
+                    g.skip((k - 1) * max_data + last_len)
+                    s.sent += (k - 1) * max_data + last_len
+                    sent += k
+                    if ends:
+                        self._write_sent(s, num)
+                    continue
+            n = min(max_data, remaining)
             last = s.sent + n == s.gather.total
             buf = bytearray(_TAGGED_PREFIX + n)
             if self._write_packer_dest != self.dest_qpn:
@@ -781,16 +826,20 @@ class QueuePair:
             num = link.send(buf)
             sent += 1
             if last:
-                self.sending = None
-                if s.with_imm:
-                    # RFC 7306 §4: Immediate Data follows the Write on queue 0 and
-                    # consumes a receive, so it is subject to RNR like a Send.
-                    self._queue_q0(_Q0Msg(self.send_msn, s.wr, None,
-                                          Opcode.IMMEDIATE_DATA_SE if s.solicited else Opcode.IMMEDIATE_DATA,
-                                          imm=s.imm))
-                else:
-                    s.wr.last_n = num
+                self._write_sent(s, num)
         return sent
+
+    def _write_sent(self, s: Any, num: int) -> None:
+        """The last segment of the RDMA Write ``s`` is queued as message ``num``."""
+        self.sending = None
+        if s.with_imm:
+            # RFC 7306 §4: Immediate Data follows the Write on queue 0 and
+            # consumes a receive, so it is subject to RNR like a Send.
+            self._queue_q0(_Q0Msg(self.send_msn, s.wr, None,
+                                  Opcode.IMMEDIATE_DATA_SE if s.solicited else Opcode.IMMEDIATE_DATA,
+                                  imm=s.imm))
+        else:
+            s.wr.last_n = num
 
     def _send_q0_segment(self, max_data: int) -> None:
         """Send the next segment of the queue-0 message at the cursor."""
@@ -814,16 +863,27 @@ class QueuePair:
         if last:
             self.q0_cursor += 1
 
-    def _send_response(self, max_data: int) -> None:
-        """Send the next segment of the IRRQ head: a Read Response or an Atomic Response."""
+    def _send_response(self, max_data: int, room: int) -> int:
+        """Send the next segments (at most ``room``) of the IRRQ head, a Read
+        Response or an Atomic Response; return how many."""
         assert self.link is not None
         r = self.irrq[0]
         if type(r) is _AtomicReply:
             self._send_untagged(Opcode.ATOMIC_RESPONSE, self.atomic_resp_msn, r.body)
             self.atomic_resp_msn += 1
             self.irrq.popleft()
-            return
-        n = min(max_data, r.size - r.sent)
+            return 1
+        remaining = r.size - r.sent
+        if room > 1 and remaining > max_data:
+            k, last_len, ends = _tagged_run(remaining, remaining, max_data, room, self.link.link.send_space())
+            if k:
+                self.link.send_tagged_run(Opcode.RDMA_READ_RESPONSE, self.dest_qpn, self.qpn, r.sink_stag,
+                                          (r.sink_to + r.sent) & _U64, r.view, r.off + r.sent, k, last_len, ends)
+                r.sent += (k - 1) * max_data + last_len
+                if ends:
+                    self.irrq.popleft()
+                return k
+        n = min(max_data, remaining)
         last = r.sent + n == r.size
         buf = bytearray(_TAGGED_PREFIX + n)
         segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_READ_RESPONSE, last,
@@ -834,6 +894,7 @@ class QueuePair:
         self.link.send(buf)
         if last:
             self.irrq.popleft()
+        return 1
 
     # -- Modified ACK/NACK (wire/flow.py) -------------------------------------
     def _send_flow(self, ftype: int, msn: int, backoff_us: int = 0) -> None:

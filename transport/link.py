@@ -193,11 +193,20 @@ class Link:
         rng: source of the tag and ISN (and nothing else).
         incarnation: this daemon's run identifier, sent in INIT/INIT_ACK.
         path_id: carried in every header (multi-path: one Link per path).
+        framer: the compiled module (``wire/native.py``) that frames runs of
+            messages queued by :meth:`send_run`, or None: every packet is
+            framed in Python (the same bytes either way).
     """
 
     def __init__(self, config: LinkConfig, *, rng: random.Random, incarnation: int,
-                 path_id: int = 0) -> None:
+                 path_id: int = 0, framer: Any = None) -> None:
         self.config = config
+        self._framer = framer
+        self._frame = framer.ffi.new("udpv_tx_frame *") if framer is not None else None
+        # (first n, end n, buffer, stride, last length) of each send_run()
+        # batch not yet wholly transmitted, oldest first
+        self._runs: deque[tuple[int, int, bytearray, int, int]] = deque()
+        self.framed_datagrams = 0  # DATA packets the framer built (not a LinkStats field: the bytes are the same)
         self.incarnation = incarnation
         self.path_id = path_id
         self.state = LinkState.IDLE
@@ -734,13 +743,42 @@ class Link:
         self._next_n = n + 1
         return n
 
+    def send_run(self, buf: bytearray, stride: int, count: int, last_len: int) -> int:
+        """Queue ``count`` messages held in ``buf``, ``stride`` bytes apart, the
+        last ``last_len`` long; return the first one's number.
+
+        As :meth:`send` for each, but the link keeps ``buf`` itself (the
+        caller must not change it) and, with a framer, builds their packets
+        in one compiled call when they leave in order.
+
+        Raises:
+            ValueError: a message longer than ``config.max_payload``.
+            RuntimeError: the link is closed or failed.
+        """
+        if max(stride if count > 1 else 0, last_len) > self.config.max_payload:
+            raise ValueError(f"message of {max(stride, last_len)} bytes > max_payload {self.config.max_payload}")
+        if self.state >= LinkState.CLOSED:
+            raise RuntimeError(f"send_run() on a {self.state.name} link")
+        n0 = self._next_n
+        view = memoryview(buf)
+        messages = self.recovery.messages
+        for i in range(count - 1):
+            messages[n0 + i] = view[i * stride:(i + 1) * stride]
+        last = (count - 1) * stride
+        messages[n0 + count - 1] = view[last:last + last_len]
+        self._next_n = n0 + count
+        if self._framer is not None:
+            self._runs.append((n0, n0 + count, buf, stride, last_len))
+        return n0
+
     def send_space(self) -> int:
         """How many more messages the link wants queued now."""
         s = self.config.send_buffer_packets - (self._next_n - self.recovery.una)
         return s if s > 0 else 0
 
-    def datagrams_to_send(self, now: float, clock: Any = None) -> list[bytes]:
-        """Complete link packets that may leave now (cwnd, rwnd and pacing respected).
+    def datagrams_to_send(self, now: float, clock: Any = None) -> list[bytes | memoryview]:
+        """Complete link packets that may leave now (cwnd, rwnd and pacing respected):
+        bytes, or read-only views of one buffer for a run the framer built.
 
         ``clock``, if given, returns the time (as ``now``) and stamps each
         DATA packet as it is built: a burst takes a while to build, and its
@@ -796,6 +834,7 @@ class Link:
             # window it never tested.
             limited = False
             sent_bytes = 0
+            runs = self._runs
             while True:
                 retx = False
                 if lost:
@@ -810,6 +849,16 @@ class Link:
                     n = snd_nxt
                 else:
                     break
+                if not retx and runs and not sack:
+                    while runs and runs[0][1] <= n:
+                        runs.popleft()  # wholly transmitted
+                    if runs and runs[0][0] <= n:
+                        k, nbytes = self._frame_run(out, runs[0], n, limit, now, clock, ack, rwnd)
+                        if k:
+                            snd_nxt = n + k
+                            sent += k
+                            sent_bytes += nbytes
+                            continue
                 body = messages[n]
                 size = len(body) + overhead
                 inflight = rec.bytes_in_flight
@@ -865,6 +914,73 @@ class Link:
             self._ack_deadline = now + self.config.max_ack_delay_s
         stats.datagrams_sent += len(out)
         return out
+
+    def _frame_run(self, out: list[Any], run: tuple[int, int, bytearray, int, int], n: int, limit: int,
+                   now: float, clock: Any, ack: int, rwnd: int) -> tuple[int, int]:
+        """First transmission of messages ``n``, ``n + 1``, ... of ``run``: as
+        many as the window and the pacer let ``datagrams_to_send``'s loop send,
+        framed in one compiled call (the same bytes as that loop's, a clock
+        read once for the whole run).  Returns how many and their bytes; 0
+        messages: the loop's own code decides what holds message ``n`` back."""
+        n0, end, buf, stride, last_len = run
+        if end > limit:
+            end = limit
+        rec = self.recovery
+        pacer = self.pacer
+        overhead = wl.OVERHEAD
+        full = stride + overhead
+        tail = last_len + overhead if end == run[1] else full  # the batch's last message may be shorter
+        # The loop's admission test and pacer.on_sent, packet by packet, on
+        # local numbers (the same float operations in the same order).
+        cwnd = self.cc.cwnd_bytes
+        inflight = rec.bytes_in_flight
+        rate = pacer.rate_Bps
+        nxt = pacer.next_send_s
+        floor = now - pacer.burst_bytes / rate if rate != INF else 0.0
+        k = 0
+        total = 0
+        m = end - n
+        while k < m:
+            if inflight >= cwnd or now < nxt:
+                break
+            size = tail if k == m - 1 else full
+            inflight += size
+            total += size
+            if rate != INF:
+                nxt = (nxt if nxt > floor else floor) + size / rate
+            k += 1
+        if not k:
+            return 0, 0
+        pacer.next_send_s = nxt
+        rec.on_sent_run(n, k, full, tail if k == m else full)
+        if clock is not None:
+            now = clock()
+        f = self._frame
+        f.path_id = self.path_id
+        f.conn_tag = self.peer_tag
+        f.seq = (self.isn + n) & _U32
+        f.ack = ack
+        f.ts = int(now * 1e6) & _U32
+        f.echo = self._echo(now)
+        f.rwnd = rwnd
+        # ACK_NOW on the last message queued (as the loop sets it)
+        f.flag_at = self._next_n - 1 - n
+        f.flag = _ACK_NOW
+        ffi = self._framer.ffi
+        first = (n - n0) * stride
+        last = total - (k - 1) * full - overhead  # the k-th body's length
+        packet = bytearray(total)
+        dst = ffi.from_buffer("uint8_t[]", packet)
+        src = ffi.from_buffer("uint8_t[]", buf)
+        try:
+            self._framer.lib.udpv_tx_frame_run(f, dst, src + first, k, stride, last)
+        finally:
+            ffi.release(src)
+            ffi.release(dst)
+        self.framed_datagrams += k
+        view = memoryview(packet).toreadonly()  # no copy: the device sends the views as they are
+        out.extend([view[i:i + full] for i in range(0, total, full)])
+        return k, total
 
     # --- timers -------------------------------------------------------------
 

@@ -103,6 +103,22 @@ class Recovery:
         self._order.append((tx, n))
         self.bytes_in_flight += size
 
+    def on_sent_run(self, n: int, count: int, size: int, last_size: int) -> None:
+        """First transmissions of messages ``n`` .. ``n + count - 1``, each in a
+        packet of ``size`` bytes but the last (``last_size``): ``on_sent`` for each."""
+        tx = self._tx_next
+        inflight = self.inflight
+        order = self._order
+        for i in range(count - 1):
+            t = tx + i
+            inflight[n + i] = (t, size, t)
+            order.append((t, n + i))
+        t = tx + count - 1
+        inflight[n + count - 1] = (t, last_size, t)
+        order.append((t, n + count - 1))
+        self._tx_next = tx + count
+        self.bytes_in_flight += size * (count - 1) + last_size
+
     def on_ack(self, cum: int, sacks: list[tuple[int, int]]) -> tuple[int, int]:
         """Apply a cumulative ACK (all n < ``cum``) and SACK ranges [start, end).
 

@@ -1,4 +1,5 @@
-/* The compiled receive lane for RDMA Write segments (see wire/native.py).
+/* The compiled lanes for tagged segments (see wire/native.py): the Write
+ * receive lane, and the send lane's body builder and framer further down.
  *
  * The byte layouts here are the ones declared in wire/link.py (link header,
  * 28 B + CRC32c trailer), wire/envelope.py (8 B) and wire/rdmap.py (tagged
@@ -201,4 +202,79 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         off += n;
     }
     return k;
+}
+
+/* -- the send lane: tagged segments, then link packets -------------------- */
+
+static inline void put16(uint8_t *p, uint32_t v) { p[0] = (uint8_t)(v >> 8); p[1] = (uint8_t)v; }
+static inline void put32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)(v >> 24); p[1] = (uint8_t)(v >> 16); p[2] = (uint8_t)(v >> 8); p[3] = (uint8_t)v;
+}
+static inline void put64(uint8_t *p, uint64_t v) { put32(p, (uint32_t)(v >> 32)); put32(p + 4, (uint32_t)v); }
+
+typedef struct {
+    uint32_t w0, w1;                 /* envelope words */
+    uint8_t ctrl_more, rctl_more;    /* DDP and RDMAP control bytes of a segment that is not the message's last */
+    uint8_t ctrl_last, rctl_last;    /* ... of the message's last segment */
+    uint32_t stag;
+    uint64_t to;                     /* tagged offset of the first segment's first byte */
+} udpv_tx_tagged;
+
+/* k link bodies (envelope + tagged DDP header + payload) for consecutive
+   segments of one message, `stride` = 22 + max_data bytes apart in `out`;
+   payload from `src`, max_data bytes each, the k-th `last_len` bytes. The
+   k-th carries the last-segment control bytes when `ends` (the message's
+   last segment). Layout: wire/segment.py _ENV_TAGGED. */
+void udpv_tx_tagged_bodies(const udpv_tx_tagged *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
+                           size_t last_len, int ends) {
+    size_t max_data = stride - TAGGED_PREFIX_LEN;
+    uint64_t to = t->to;
+    for (size_t i = 0; i < k; i++) {
+        uint8_t *b = out + i * stride;
+        int last = ends && i + 1 == k;
+        put32(b, t->w0);
+        put32(b + 4, t->w1);
+        b[8] = last ? t->ctrl_last : t->ctrl_more;
+        b[9] = last ? t->rctl_last : t->rctl_more;
+        put32(b + 10, t->stag);
+        put64(b + 14, to);
+        size_t n = i + 1 == k ? last_len : max_data;
+        memcpy(b + TAGGED_PREFIX_LEN, src, n);
+        src += n;
+        to += n;
+    }
+}
+
+typedef struct {
+    uint32_t path_id, conn_tag, seq, ack, ts, echo, rwnd;
+    size_t flag_at;  /* the packet (index in the run) that carries `flag`; the others carry 0 */
+    uint32_t flag;
+} udpv_tx_frame;
+
+/* k DATA link packets without SACK blocks around bodies `stride` bytes apart
+   (the k-th `last_len` long), sequence numbers seq, seq+1, ..., each
+   28 + stride + 4 bytes apart in `out` (wire/link.py: header, body, CRC32c
+   over both). Returns the bytes written. */
+size_t udpv_tx_frame_run(const udpv_tx_frame *f, uint8_t *out, const uint8_t *bodies, size_t k, size_t stride,
+                         size_t last_len) {
+    uint8_t *p = out;
+    for (size_t i = 0; i < k; i++) {
+        size_t n = i + 1 == k ? last_len : stride;
+        p[0] = LINK_VERSION;
+        p[1] = PTYPE_DATA;
+        p[2] = i == f->flag_at ? (uint8_t)f->flag : 0;
+        p[3] = (uint8_t)f->path_id;
+        put32(p + 4, f->conn_tag);
+        put32(p + 8, f->seq + (uint32_t)i);
+        put32(p + 12, f->ack);
+        put32(p + 16, f->ts);
+        put32(p + 20, f->echo);
+        put16(p + 24, f->rwnd);
+        p[26] = 0;
+        p[27] = 0;
+        memcpy(p + LINK_HEADER_LEN, bodies + i * stride, n);
+        put32(p + LINK_HEADER_LEN + n, udpv_crc32c(0, p, LINK_HEADER_LEN + n));
+        p += LINK_HEADER_LEN + n + CRC_LEN;
+    }
+    return (size_t)(p - out);
 }

@@ -1,4 +1,4 @@
-"""The compiled receive lane for RDMA Write segments (cffi API mode).
+"""The compiled lanes for tagged segments (cffi API mode): receive and send.
 
 Theory of operation
 -------------------
@@ -15,6 +15,16 @@ handles that one, so the C code never produces an error or a Terminate; the
 link then applies the run's bookkeeping in one step
 (``Link.data_run_received``).  ``tests/wire/test_native.py`` proves that
 both paths leave the same bytes in memory and the same link state.
+
+The send lane is the mirror image, in two steps that keep the link's
+decisions where they are.  ``udpv_tx_tagged_bodies`` builds the bodies of a
+run of tagged segments (an RDMA Write's within one SGE, or a Read
+Response's) straight from the registered memory into one buffer, queued by
+``Link.send_run``; ``udpv_tx_frame_run`` puts link headers and CRCs around
+those the link lets leave (``Link._frame_run``).  Both produce exactly the
+bytes of the Python encoders (``tests/wire/test_native.py``), and a device
+with the lanes sends what a device without them sends
+(``tests/daemon/test_native_send_lane.py``).
 
 The extension is built on first use with the machine's C compiler into a
 cache directory (``$XDG_CACHE_HOME/udpverbs``, else ``~/.cache/udpverbs``),
@@ -59,6 +69,26 @@ typedef struct {
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem);
+
+typedef struct {
+    uint32_t w0, w1;
+    uint8_t ctrl_more, rctl_more;
+    uint8_t ctrl_last, rctl_last;
+    uint32_t stag;
+    uint64_t to;
+} udpv_tx_tagged;
+
+void udpv_tx_tagged_bodies(const udpv_tx_tagged *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
+                           size_t last_len, int ends);
+
+typedef struct {
+    uint32_t path_id, conn_tag, seq, ack, ts, echo, rwnd;
+    size_t flag_at;
+    uint32_t flag;
+} udpv_tx_frame;
+
+size_t udpv_tx_frame_run(const udpv_tx_frame *f, uint8_t *out, const uint8_t *bodies, size_t k, size_t stride,
+                         size_t last_len);
 uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n);
 """
 
@@ -130,7 +160,7 @@ def load() -> ModuleType | None:
         path = build(cache_dir())
         _loaded = _import(path.name.split(".")[0], path)
     except Exception as e:  # no compiler, no Python headers, read-only home...
-        log.warning("compiled receive lane unavailable (%s): using the Python path", e)
+        log.warning("compiled lanes unavailable (%s): using the Python path", e)
         _loaded = None
     return _loaded
 

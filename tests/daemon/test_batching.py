@@ -47,7 +47,7 @@ class Host:
         self.dev.stags.register(self.mr)
         self.cq = CompletionQueue(1, self.sess, 256, None)
         self.qp = QueuePair(self.dev, 1, self.sess, pd, self.cq, self.cq,
-                            {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 1, "max_recv_sge": 1,
+                            {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 4, "max_recv_sge": 1,
                              "max_inline_data": 0}, False)
         self.dev.qps[1] = self.qp
 
@@ -74,16 +74,22 @@ class Host:
                   | M.IBV_QP_MAX_QP_RD_ATOMIC, attrs)
 
     def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int,
-                   rkey: int | None = None) -> None:
+                   rkey: int | None = None, *, sges: list[tuple[int, int]] | None = None,
+                   opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE) -> None:
         """RDMA Write of ``length`` bytes from our MR at ``src_off`` to ``peer``'s at ``dst_off``
-        (``rkey`` overrides the peer MR's STag)."""
+        (``rkey`` overrides the peer MR's STag; ``sges``, (offset, length) pairs
+        in our MR, replace ``src_off`` and ``length``; ``opcode`` RDMA Read: from
+        the peer's MR into ours)."""
         ring = self.qp.sq
         ring.prod = ring.hdr.producer
         at = ring.next_slot_offset()
-        shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(WrOpcode.IBV_WR_RDMA_WRITE),
-                                    int(shm.SendFlags.IBV_SEND_SIGNALED), 1, 0,
+        sges = sges or [(src_off, length)]
+        shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(opcode),
+                                    int(shm.SendFlags.IBV_SEND_SIGNALED), len(sges), 0,
                                     peer.mr.stag if rkey is None else rkey, 0, 0, 0)
-        shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET, self.mr.addr + src_off, length, self.mr.stag)
+        for i, (off, n) in enumerate(sges):
+            shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET + i * shm.SGE_SIZE, self.mr.addr + off, n,
+                              self.mr.stag)
         ring.push()
         ring.publish()
 

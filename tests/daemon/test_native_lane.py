@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -32,7 +33,7 @@ _STEP_S = 0.001
 def _mangle(out: list[bytes], rng: random.Random, loss: float, gro: float) -> list[tuple[bytes, int]]:
     """What the network and the kernel make of ``out``: ``(buffer, segment size)`` receives."""
     arriving: list[bytes] = []
-    for d in out:
+    for d in map(bytes, out):
         x = rng.random()
         if x < loss:
             continue
@@ -69,8 +70,9 @@ def _receive(host: Host, pl: object, receives: list[tuple[bytes, int]], now: flo
         dev._dispatch(pl, msg)  # type: ignore[arg-type]
 
 
-def _turn(host: Host, pl: object, now: float) -> list[bytes]:
-    """The rest of a data-loop pass: timers, completions, pump, what leaves."""
+def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[bytes]:
+    """The rest of a data-loop pass: timers, completions, pump, what leaves
+    (stamped by ``clock`` if given, as the device's loop does)."""
     dev, qp, link = host.dev, host.qp, pl.link  # type: ignore[attr-defined]
     dev.now = now
     d = link.next_deadline()
@@ -82,7 +84,7 @@ def _turn(host: Host, pl: object, now: float) -> list[bytes]:
         if qp.outstanding:
             qp.complete_acked(link.acked)
         qp.pump(64)
-    return link.datagrams_to_send(now)
+    return link.datagrams_to_send(now, clock)
 
 
 def _link_state(pl: object) -> tuple[object, ...]:
@@ -106,18 +108,25 @@ def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: in
             h.close()
 
 
+def _twins(peer: Host, fast: Host, slow: Host) -> tuple[list[float], Any, Any, Any]:
+    """Connect ``peer`` with ``fast`` and both twins with ``peer``, every device
+    on one hand-turned clock; return the clock and the links (peer's, fast's, slow's).
+    ``slow`` is never connected to from ``peer``: it gets ``fast``'s traffic."""
+    clock = [1.0]
+    for h in (peer, fast, slow):
+        h.dev._clock = lambda: clock[0]
+    peer.connect(fast)
+    fast.connect(peer)
+    slow.connect(peer)
+    peer_addr = (peer.dev.config.addr, peer.dev.config.port)
+    return (clock, peer.dev.links[(fast.dev.config.addr, fast.dev.config.port)], fast.dev.links[peer_addr],
+            slow.dev.links[peer_addr])
+
+
 def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[tuple[int, int, str]],
               loss: float, replies: int, gro: float, reply_len: int) -> tuple[Host, Host]:
     assert fast.dev.native is not None and slow.dev.native is None
-    clock = [1.0]
-    for h in (a, fast, slow):
-        h.dev._clock = lambda: clock[0]
-    a.connect(fast)
-    fast.connect(a)
-    slow.connect(a)
-    a_addr = (a.dev.config.addr, a.dev.config.port)
-    pa = a.dev.links[(fast.dev.config.addr, fast.dev.config.port)]
-    pf, ps = fast.dev.links[a_addr], slow.dev.links[a_addr]
+    clock, pa, pf, ps = _twins(a, fast, slow)
     a.mr.view[:] = rng.randbytes(MR_LEN)
     fast.mr.view[:] = slow.mr.view[:] = rng.randbytes(MR_LEN)
     for i in range(replies):
