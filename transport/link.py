@@ -892,6 +892,8 @@ class Link:
                 sent += 1
                 sent_bytes += size
             self._snd_nxt = snd_nxt
+            while runs and runs[0][1] <= snd_nxt:
+                runs.popleft()  # sent, by the lane or (SACK blocks to carry) by the loop: let it go
             if sent_bytes:
                 self.cc.on_packet_sent(sent_bytes, now)
             self._cwnd_limited = limited or rec.bytes_in_flight * 2 >= cwnd
