@@ -104,6 +104,9 @@ GSO_MAX_BYTES = 65000
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _TIMESPEC = struct.Struct("@qq")
 _RX_CMSG_SPACE = socket.CMSG_SPACE(4) + socket.CMSG_SPACE(_TIMESPEC.size)
+# A plain int: MSG_* are IntFlag members, and IntFlag's | and & cost
+# microseconds per received buffer.
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
 #: the daemon's default for LinkConfig.pacing_burst_packets (see link_config)
 DAEMON_PACING_BURST_PACKETS = 32.0
@@ -474,7 +477,7 @@ class Device:
                 seg = 0
                 byte_budget -= len(data)
                 if cmsgs:
-                    if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                    if msg_flags & _TRUNCATED:
                         # Larger than any datagram we send, or a GRO size we
                         # cannot read (so neither can we split the buffer).
                         self.stats["rx_truncated"] += 1

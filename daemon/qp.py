@@ -757,6 +757,11 @@ class QueuePair:
         if (not self.irrq and self.sending is None and self.q0_cursor >= len(self.q0) and not self.flow_ack_due
                 and not (self.rx_rnr and not self.rx_resume_sent) and self.sq.hdr.producer == self.sq.cons):
             return 0  # nothing to send: the common case of every idle pass
+        if not link.link.send_space() and not self.flow_ack_due and not self.rx_rnr:
+            # The link takes nothing more this pass (another QP filled it) and
+            # no flow-control message is owed: with 64 QPs streaming, going
+            # further for each one cost more than their datagrams.
+            return 0
         try:
             return self._pump_messages(link, budget)
         finally:

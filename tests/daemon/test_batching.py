@@ -33,6 +33,8 @@ MR_LEN = 1 << 20
 class Host:
     """One device with a PD, one MR and one QP (number 1)."""
 
+    QP_CAPS = {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 4, "max_recv_sge": 1, "max_inline_data": 0}
+
     def __init__(self, ip: str, *, gso: bool, mtu: int = 1472, native: bool = True) -> None:
         self.dev = Device(DeviceConfig(addr=ip, port=0, seed=hash(ip) & 0xFFFF, mtu=mtu, gso=gso, native=native))
         self.dev.bind()
@@ -46,9 +48,7 @@ class Host:
         self.mr = tables.MemoryRegion(1, pd, ALL, 0x100000, MR_LEN, mm)
         self.dev.stags.register(self.mr)
         self.cq = CompletionQueue(1, self.sess, 256, None)
-        self.qp = QueuePair(self.dev, 1, self.sess, pd, self.cq, self.cq,
-                            {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 4, "max_recv_sge": 1,
-                             "max_inline_data": 0}, False)
+        self.qp = QueuePair(self.dev, 1, self.sess, pd, self.cq, self.cq, dict(self.QP_CAPS), False)
         self.dev.qps[1] = self.qp
 
     def close(self) -> None:
@@ -61,12 +61,13 @@ class Host:
         self.cq.close()
         os.close(self._ctl.detach())  # a trio socket closes only inside trio.run
 
-    def connect(self, peer: "Host") -> None:
-        qp = self.qp
+    def connect(self, peer: "Host", qp: QueuePair | None = None, dest_qpn: int = 1) -> None:
+        """Take ``qp`` (default: QP 1) to RTS towards QP ``dest_qpn`` on ``peer``."""
+        qp = qp or self.qp
         attrs = dict(qp.attrs, qp_state=S.IBV_QPS_INIT, qp_access_flags=ALL)
         modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_PKEY_INDEX | M.IBV_QP_PORT | M.IBV_QP_ACCESS_FLAGS, attrs)
         attrs.update(qp_state=S.IBV_QPS_RTR, dgid=ctl.gid_from_ip(peer.dev.config.addr), dlid=peer.dev.config.port,
-                     dest_qp_num=1, max_dest_rd_atomic=1)
+                     dest_qp_num=dest_qpn, max_dest_rd_atomic=1)
         modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_AV | M.IBV_QP_PATH_MTU | M.IBV_QP_DEST_QPN | M.IBV_QP_RQ_PSN
                   | M.IBV_QP_MAX_DEST_RD_ATOMIC | M.IBV_QP_MIN_RNR_TIMER, attrs)
         attrs.update(qp_state=S.IBV_QPS_RTS, max_rd_atomic=1)

@@ -74,6 +74,28 @@ async def test_a_due_flow_ack_leaves_even_when_the_send_side_fails() -> None:
     dev.close()
 
 
+async def test_a_full_link_still_carries_the_flow_ack_a_qp_owes() -> None:
+    # The pump skips a QP whose link takes nothing more this pass (64 QPs
+    # streaming), but not the Modified ACK it owes: that goes past the send
+    # buffer, or the peer's Send would wait for it until the link drains.
+    dev = Device(DeviceConfig(seed=1))
+    sess, qp, mrs = _setup(dev)
+    _post_send(qp, 7, WrOpcode.IBV_WR_RDMA_WRITE, mrs[0], 10)
+    link = qp.link.link
+    while link.send_space():
+        link.send(b"filler", 0.0)
+    before = set(link.recovery.messages)
+    qp.pump(64)
+    assert _queued_kinds(qp, before) == []  # the Write waits for room
+    _post_recv(qp, 42, mrs[0], 100)
+    dev._dispatch(qp.link, segment.encode(qp.qpn, qp.dest_qpn, rdmap.encode_untagged(Opcode.SEND, True, 1, 0, b"hi")))
+    assert qp.flow_ack_due
+    qp.pump(64)
+    assert _queued_kinds(qp, before) == [Kind.FLOW] and not qp.flow_ack_due
+    sess.teardown()
+    dev.close()
+
+
 @pytest.mark.parametrize("opcode", [WrOpcode.IBV_WR_RDMA_WRITE, WrOpcode.IBV_WR_RDMA_READ, WrOpcode.IBV_WR_SEND])
 async def test_a_message_longer_than_max_msg_sz_completes_with_loc_len_err(opcode: int) -> None:
     # A Read Request's size and a Send's MO are 32-bit; the port says
