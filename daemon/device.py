@@ -70,7 +70,7 @@ from ..wire.errors import WireError
 from ..wire.rdmap import Opcode
 from ..wire.shm import EventType, QPState as S, WcStatus as W
 from . import tables
-from .qp import _OP_WRITE, _RECEIVING, _REMOTE_WRITE, QueuePair
+from .qp import _OP_READ_RESPONSE, _OP_WRITE, _RECEIVING, _REMOTE_WRITE, QueuePair, _PendingRead
 
 log = logging.getLogger("udpverbs.daemon")
 
@@ -89,6 +89,9 @@ _RX_BYTE_BUDGET = 1 << 20
 #: requests the daemon answers by itself: no application waits on them, so
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
+# (DDP control of a segment that is not the last, RDMAP control[, DDP control of the last])
+_WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
+_READ_RESPONSE_CTRL = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
 # Linux UDP segmentation offload (include/uapi/linux/udp.h); the socket
 # module of Python 3.11 does not name them.
@@ -134,9 +137,10 @@ class PeerLink:
         self.qps: set[QueuePair] = set()
         self.up = True  # messages may be queued before the handshake ends
         self.failed_reason = ""
-        # (QP, STag) of the last RDMA Write segment received: what the
-        # compiled receive lane may place next (revalidated per call)
-        self.rx_hint: tuple[QueuePair, int] | None = None
+        # (QP, STag, is a Read Response) of the last RDMA Write or Read
+        # Response segment received: what the compiled receive lane may
+        # place next (revalidated per call)
+        self.rx_hint: tuple[QueuePair, int, bool] | None = None
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
 
@@ -273,9 +277,7 @@ class Device:
         self.native = wire_native.load() if config.native else None
         self._rx_run: Any = None
         if self.native is not None:
-            r = self._rx_run = self.native.ffi.new("udpv_rx_run *")
-            r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
-            r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
+            self._rx_run = self.native.ffi.new("udpv_rx_run *")
             self.tx_tagged = self.native.ffi.new("udpv_tx_tagged *")  # the send lane's segment fields
         self.gid = ctl.gid_from_ip(config.addr)
         self.epoll = select.epoll()
@@ -601,35 +603,53 @@ class Device:
                 self._dispatch(pl, msg)
 
     def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float) -> int:
-        """Place the run of RDMA Write segments at ``data[off:]`` that the
-        compiled lane accepts; return the bytes it consumed (0: none).
+        """Place the run of RDMA Write (or Read Response) segments at
+        ``data[off:]`` that the compiled lane accepts; return the bytes it
+        consumed (0: none).
 
         What the lane does not check, checked here once per call: the
-        hinted QP still receives on this link, and the STag still names a
-        region in its PD with remote write access.
+        hinted QP still receives on this link; for a Write, the STag still
+        names a region in its PD with remote write access; for a Read
+        Response, it is the sink STag of the Read at the ORRQ head, whose
+        sink is one SGE.
         """
-        qp, stag = pl.rx_hint  # type: ignore[misc]
-        mr = self.stags.lookup(stag)
-        if (mr is None or qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp
-                or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE):
+        qp, stag, read = pl.rx_hint  # type: ignore[misc]
+        if qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
             pl.rx_hint = None
             return 0
+        r = self._rx_run
+        if read:
+            # Read Responses into the ORRQ head's sink, in order, and not its
+            # last segment: the Python path completes the Read.
+            rd = qp.orrq[0] if qp.orrq else None
+            if type(rd) is not _PendingRead or rd.wr.sink_stag != stag or len(rd.gather.pieces) != 1:
+                pl.rx_hint = None
+                return 0
+            view, start, _ = rd.gather.pieces[0]
+            r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
+            r.ctrl_more, r.rctl = _READ_RESPONSE_CTRL
+            r.ctrl_last = 0  # matches no tagged segment (its T bit is set)
+        else:
+            mr = self.stags.lookup(stag)
+            if mr is None or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE:
+                pl.rx_hint = None
+                return 0
+            view, start = mr.view, 0
+            r.base, r.length, r.sequential = 0 if mr.zero_based else mr.addr, mr.length, 0
+            r.ctrl_more, r.rctl, r.ctrl_last = _WRITE_CTRL
         link = pl.link
         expect = link.run_receivable()
         if expect is None:
             return 0
-        r = self._rx_run
         r.conn_tag, r.seq, r.max_count = expect
         r.w0 = segment._DDP_WORD | qp.qpn
         r.w1 = qp.dest_qpn
         r.stag = stag
-        r.base = 0 if mr.zero_based else mr.addr
-        r.length = mr.length
         ffi = self.native.ffi
         buf = ffi.from_buffer("uint8_t[]", data)
-        mem = ffi.from_buffer("uint8_t[]", mr.view, require_writable=True)
+        mem = ffi.from_buffer("uint8_t[]", view, require_writable=True)
         try:
-            k = self.native.lib.udpv_rx_write_run(r, buf + off, len(data) - off, seg, mem)
+            k = self.native.lib.udpv_rx_write_run(r, buf + off, len(data) - off, seg, mem + start)
         finally:
             # no export may outlive the call: deregistration releases the view
             ffi.release(mem)
@@ -638,7 +658,10 @@ class Device:
             return 0
         link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
                                r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
-        qp.rx_write_bytes += r.bytes
+        if read:
+            rd.placed += r.bytes
+        else:
+            qp.rx_write_bytes += r.bytes
         self._delivered = True
         self.stats["rx_native_datagrams"] += k
         used = k * seg
@@ -754,9 +777,9 @@ class Device:
                 if kind == Kind.DDP:
                     qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
                     op = hdr.opcode
-                    if op == _OP_WRITE:
+                    if op == _OP_WRITE or op == _OP_READ_RESPONSE:
                         if self.native is not None:
-                            pl.rx_hint = (qp, hdr.stag)
+                            pl.rx_hint = (qp, hdr.stag, op == _OP_READ_RESPONSE)
                         self._delivered = True
                     elif op not in _ANSWERED_BY_DAEMON:
                         self._delivered = True

@@ -1,5 +1,6 @@
 /* The compiled lanes for tagged segments (see wire/native.py): the Write
- * receive lane, and the send lane's body builder and framer further down.
+ * receive lane (also Read Responses, in sequential mode), and the send
+ * lane's body builder and framer further down.
  *
  * The byte layouts here are the ones declared in wire/link.py (link header,
  * 28 B + CRC32c trailer), wire/envelope.py (8 B) and wire/rdmap.py (tagged
@@ -151,6 +152,8 @@ typedef struct {
     uint32_t stag;
     uint64_t base;       /* tagged offset of the region's byte 0 */
     uint64_t length;     /* the region's length */
+    uint64_t next_to;    /* if `sequential`: the tagged offset the next segment must start at */
+    uint32_t sequential; /* Read Responses fill their sink in order (as daemon/qp.py _on_read_response requires) */
     /* the run: the first packet's link fields, the last one's, what was placed */
     uint32_t first_ack, first_ts, first_echo, last_ts;
     uint32_t first_rwnd, last_rwnd;
@@ -183,6 +186,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         uint64_t to = be64(e + 14);
         size_t plen = n - CRC_LEN - LINK_HEADER_LEN - TAGGED_PREFIX_LEN;
         if (to < r->base) break;
+        if (r->sequential && to != r->next_to) break;
         uint64_t o = to - r->base;
         if (o > r->length || plen > r->length - o) break;
         memcpy(mem + o, e + TAGGED_PREFIX_LEN, plen);
@@ -197,6 +201,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         r->last_rwnd = be16(p + 24);
         r->flags_or |= p[2];
         r->bytes += plen;
+        r->next_to = to + plen;
         seq++;
         k++;
         off += n;

@@ -14,7 +14,10 @@ stops at the first datagram it does not recognise, and the Python path
 handles that one, so the C code never produces an error or a Terminate; the
 link then applies the run's bookkeeping in one step
 (``Link.data_run_received``).  ``tests/wire/test_native.py`` proves that
-both paths leave the same bytes in memory and the same link state.
+both paths leave the same bytes in memory and the same link state.  Read
+Responses take the same lane into the sink of the Read at the ORRQ head, with
+``sequential`` set (each segment must start where the last ended) and never
+their last segment (the Python path completes the Read).
 
 The send lane is the mirror image, in two steps that keep the link's
 decisions where they are.  ``udpv_tx_tagged_bodies`` builds the bodies of a
@@ -62,6 +65,8 @@ typedef struct {
     uint32_t stag;
     uint64_t base;
     uint64_t length;
+    uint64_t next_to;
+    uint32_t sequential;
     uint32_t first_ack, first_ts, first_echo, last_ts;
     uint32_t first_rwnd, last_rwnd;
     uint32_t first_flags, flags_or;

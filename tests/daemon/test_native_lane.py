@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from udpverbs.wire import native
-from udpverbs.wire.shm import QPState as S
+from udpverbs.wire import link as wire_link, native, rdmap, segment
+from udpverbs.wire.rdmap import Opcode
+from udpverbs.wire.shm import QPState as S, WrOpcode
 
 from .test_batching import MR_LEN, Host
 
@@ -62,6 +63,39 @@ def _mangle(out: list[bytes], rng: random.Random, loss: float, gro: float) -> li
     return receives
 
 
+_MORE_CTRL, _OP_READ_RESPONSE = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)
+_LAST_CTRL = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, True)[0]
+_seen_responses = [0]
+
+
+def _forge_read_response_to(out: list[bytes], delta: int | str) -> tuple[list[bytes], int | str]:
+    """Move the tagged offset of the tenth Read Response segment in ``out`` by
+    ``delta`` (a peer that places out of order or past the sink), or with
+    ``delta == "overrun"`` make the first Read's last segment longer and not
+    the last; the CRC stays valid.  Returns the datagrams and what is left to
+    forge (0: done)."""
+    forged = []
+    for d in map(bytes, out):
+        h, body = wire_link.decode_untrusted(d)
+        if (delta and h.ptype == wire_link.PacketType.DATA and len(body) > segment.TAGGED_PREFIX_LEN
+                and body[9] == _OP_READ_RESPONSE):
+            _seen_responses[0] += 1
+            b = bytearray(body)
+            if delta == "overrun":
+                if b[8] == _LAST_CTRL:
+                    b[8] = _MORE_CTRL
+                    b += bytes(100)  # in order, but past the end of the sink
+                    delta = 0
+            elif _seen_responses[0] == 10:
+                b[14:22] = ((int.from_bytes(b[14:22], "big") + delta) % 2**64).to_bytes(8, "big")
+                delta = 0
+            if not delta:
+                d = wire_link.encode_fields(h.ptype, h.flags, h.path_id, h.conn_tag, h.seq, h.ack, h.ts_us,
+                                            h.ts_echo_us, h.rwnd, b, h.sack)
+        forged.append(d)
+    return forged, delta
+
+
 def _receive(host: Host, pl: object, receives: list[tuple[bytes, int]], now: float) -> None:
     dev = host.dev
     for buf, seg in receives:
@@ -95,14 +129,17 @@ def _link_state(pl: object) -> tuple[object, ...]:
 
 @contextlib.contextmanager
 def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: int = 0,
-         gro: float = 0.7, reply_len: int = 30_000) -> Iterator[tuple[Host, Host]]:
+         gro: float = 0.7, reply_len: int = 30_000, reads: int = 0,
+         forge_to: int | str = 0) -> Iterator[tuple[Host, Host]]:
     """A writes ``writes`` to both receivers, which write ``replies`` Writes back (so
-    the ACK field of A's datagrams moves while A's own Writes stream); yields
-    A and the receiver with the lane."""
+    the ACK field of A's datagrams moves while A's own Writes stream) and post
+    ``reads`` RDMA Reads of A's memory (whose Read Responses the lane places
+    too; ``forge_to`` moves the tagged offset of the tenth one by that much);
+    yields A and the receiver with the lane."""
     hosts = [Host("127.0.0.2", gso=False), Host("127.0.0.3", gso=False, native=True),
              Host("127.0.0.3", gso=False, native=False)]  # the same seed: same tags, ISNs, STags
     try:
-        yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len)
+        yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len, reads, forge_to)
     finally:
         for h in hosts:
             h.close()
@@ -124,7 +161,8 @@ def _twins(peer: Host, fast: Host, slow: Host) -> tuple[list[float], Any, Any, A
 
 
 def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[tuple[int, int, str]],
-              loss: float, replies: int, gro: float, reply_len: int) -> tuple[Host, Host]:
+              loss: float, replies: int, gro: float, reply_len: int, reads: int = 0,
+              forge_to: int | str = 0) -> tuple[Host, Host]:
     assert fast.dev.native is not None and slow.dev.native is None
     clock, pa, pf, ps = _twins(a, fast, slow)
     a.mr.view[:] = rng.randbytes(MR_LEN)
@@ -133,6 +171,11 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         length, dst = rng.randrange(reply_len), rng.randrange(MR_LEN - reply_len)
         for h in (fast, slow):
             h.post_write(100 + i, dst, length, a, dst)
+    for i in range(reads):  # into the receivers' memory, from anywhere in A's
+        length, src, dst = rng.randrange(reply_len), rng.randrange(MR_LEN - reply_len), rng.randrange(MR_LEN - reply_len)
+        for h in (fast, slow):
+            h.post_write(200 + i, dst, length, a, src, opcode=WrOpcode.IBV_WR_RDMA_READ)
+    replies += reads
     for i, (length, dst, kind) in enumerate(writes):
         rkey = fast.mr.stag + (1 << 8) if kind == "bad_stag" else None
         if kind == "past_end":
@@ -144,6 +187,8 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         clock[0] += _STEP_S
         now = clock[0]
         held += _turn(a, pa, now)
+        if forge_to:
+            held, forge_to = _forge_read_response_to(held, forge_to)
         if rng.random() < 0.3:
             continue  # arrives with the next step's: a GRO buffer may span two of A's passes
         receives = _mangle(held, rng, loss, gro)
@@ -177,11 +222,29 @@ _WRITE = st.tuples(st.integers(0, 40_000), st.integers(0, MR_LEN - 40_000),
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), writes=st.lists(_WRITE, min_size=1, max_size=5),
-       loss=st.sampled_from([0.0, 0.02, 0.1]), replies=st.integers(0, 3))
+       loss=st.sampled_from([0.0, 0.02, 0.1]), replies=st.integers(0, 3), reads=st.integers(0, 2))
 def test_the_lane_and_the_python_path_agree(seed: int, writes: list[tuple[int, int, str]], loss: float,
-                                            replies: int) -> None:
-    with _run(seed, writes, loss, replies):
+                                            replies: int, reads: int) -> None:
+    with _run(seed, writes, loss, replies, reads=reads):
         pass
+
+
+@pytest.mark.parametrize("delta", [1, -1448, 1 << 20, "overrun"])
+def test_a_read_response_out_of_place_ends_alike(delta: int | str) -> None:
+    # in the middle of a run the lane holds: a gap, a step back, past the sink,
+    # in order but longer than the sink
+    _seen_responses[0] = 0
+    with _run(17, [(1, 0, "ok")], 0.0, reads=1, reply_len=200_000, forge_to=delta) as (_, fast):
+        assert fast.dev.stats["terminate_sent"] == 1 and fast.qp.state == S.IBV_QPS_ERR
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_read_responses_go_through_the_lane(loss: float) -> None:
+    with _run(13, [(1, 0, "ok")], loss, reads=3, reply_len=300_000) as (a, fast):
+        assert fast.qp.state == S.IBV_QPS_RTS
+        # all but each Read's first and last segments, and what loss sends the Python way
+        assert fast.dev.stats["rx_native_datagrams"] > (0.5 if loss else 0.9) * fast.dev.dump_stats()[
+            "link_data_received"]
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.05])

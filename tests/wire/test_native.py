@@ -45,7 +45,9 @@ def _datagram(i: int, *, ptype: int = PacketType.DATA, tag: int = TAG, seq_off: 
                               1000 + i, 500 + i, 200 - i, body, sack)
 
 
-def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256) -> tuple[int, object, bytearray]:
+def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
+         next_to: int | None = None) -> tuple[int, object, bytearray]:
+    """Run the lane over ``datagrams``; with ``next_to``, in sequential mode from that offset."""
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     r = ffi.new("udpv_rx_run *")
@@ -54,6 +56,8 @@ def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256) -
     r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
     r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
     r.stag, r.base, r.length = STAG, BASE, LENGTH
+    if next_to is not None:
+        r.sequential, r.next_to = 1, next_to
     mem = bytearray(LENGTH)
     buf = b"".join(datagrams)
     k = lib.udpv_rx_write_run(r, buf, len(buf), seg or len(datagrams[0]), ffi.from_buffer("uint8_t[]", mem))
@@ -132,6 +136,18 @@ def test_the_run_stops_before_a_datagram_it_does_not_recognise(spoil: str) -> No
 def test_the_region_end_is_inclusive() -> None:
     k, _, mem = _run([_datagram(0, to=BASE + LENGTH - PAYLOAD, payload=b"\x01" * PAYLOAD)])
     assert k == 1 and mem[-PAYLOAD:] == b"\x01" * PAYLOAD and not any(mem[:-PAYLOAD])
+
+
+def test_in_sequential_mode_the_run_stops_at_a_gap_or_a_step_back() -> None:
+    # Read Responses: each segment must start where the last one ended
+    k, r, _ = _run([_datagram(i) for i in range(5)], next_to=BASE)
+    assert k == 5 and r.next_to == BASE + 5 * PAYLOAD
+    assert _run([_datagram(i) for i in range(5)], next_to=BASE + 1)[0] == 0
+    for to in (BASE + 2 * PAYLOAD + 1, BASE + PAYLOAD):
+        datagrams = [_datagram(i) for i in range(5)]
+        datagrams[2] = _datagram(2, to=to)
+        k, _, mem = _run(datagrams, next_to=BASE)
+        assert k == 2 and not any(mem[2 * PAYLOAD:])
 
 
 def test_crc32c_matches_the_crc32c_package() -> None:
