@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import BinaryIO
 
 from udpverbs import verbs
 from udpverbs.verbs.enums import (
@@ -72,9 +73,11 @@ def to_rts(qp: verbs.QP, peer: dict) -> None:
     qp.to_rts(attr)  # RESET -> INIT -> RTR -> RTS
 
 
-def exchange(conn: socket.socket, mine: dict) -> dict:
+def exchange(conn: socket.socket, lines: BinaryIO, mine: dict) -> dict:
+    """Send our line, read the peer's.  ``lines`` is the one buffered reader of
+    ``conn``: a second reader would miss whatever the first read ahead."""
     conn.sendall(json.dumps(mine).encode() + b"\n")
-    return json.loads(conn.makefile("rb").readline())
+    return json.loads(lines.readline())
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -87,10 +90,11 @@ def run_server(args: argparse.Namespace) -> int:
         conn, _ = srv.accept()
         with conn:
             conn.settimeout(args.timeout)
-            peer = exchange(conn, my_info(ctx, mr, qp))
+            lines = conn.makefile("rb")
+            peer = exchange(conn, lines, my_info(ctx, mr, qp))
             to_rts(qp, peer)
             conn.sendall(b"rts\n")
-            done = json.loads(conn.makefile("rb").readline())  # the client finished its Write and Read
+            done = json.loads(lines.readline())  # the client finished its Write and Read
             got = hashlib.sha256(mr.read(args.size, 0)).hexdigest()
             ok = got == done["sha256"]
             conn.sendall(json.dumps({"ok": ok}).encode() + b"\n")
@@ -104,9 +108,9 @@ def run_client(args: argparse.Namespace) -> int:
     data = os.urandom(args.size)
     mr.write(data, args.size, 0)
     with ctx, socket.create_connection((host, int(port)), timeout=args.timeout) as conn:
-        peer = exchange(conn, my_info(ctx, mr, qp))
-        to_rts(qp, peer)
         lines = conn.makefile("rb")
+        peer = exchange(conn, lines, my_info(ctx, mr, qp))
+        to_rts(qp, peer)
         assert lines.readline() == b"rts\n"  # the server's QP is ready to receive
         t0 = time.perf_counter()
         wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(mr.buf, args.size, mr.lkey)],
