@@ -755,8 +755,9 @@ class Link:
             ValueError: a message longer than ``config.max_payload``.
             RuntimeError: the link is closed or failed.
         """
-        if max(stride if count > 1 else 0, last_len) > self.config.max_payload:
-            raise ValueError(f"message of {max(stride, last_len)} bytes > max_payload {self.config.max_payload}")
+        longest = max(stride if count > 1 else 0, last_len)
+        if longest > self.config.max_payload:
+            raise ValueError(f"message of {longest} bytes > max_payload {self.config.max_payload}")
         if self.state >= LinkState.CLOSED:
             raise RuntimeError(f"send_run() on a {self.state.name} link")
         n0 = self._next_n
