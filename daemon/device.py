@@ -86,12 +86,13 @@ _RX_BUDGET = 128
 #: waits for the pass's end came after the sender's minimum RTO (4 ms then;
 #: DAEMON_MIN_RTO_S now)
 _RX_BYTE_BUDGET = 1 << 20
+# The receive lane's control bytes: (DDP control of a segment that is not
+# the last, RDMAP control[, DDP control of the last])
+_WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
+_READ_RESPONSE_CTRL = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)
 #: requests the daemon answers by itself: no application waits on them, so
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
-# (DDP control of a segment that is not the last, RDMAP control[, DDP control of the last])
-_WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
-_READ_RESPONSE_CTRL = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
 # Linux UDP segmentation offload (include/uapi/linux/udp.h); the socket
 # module of Python 3.11 does not name them.
@@ -167,8 +168,8 @@ class PeerLink:
         t.to = to
         stride = segment.TAGGED_PREFIX_LEN + self.max_data
         buf = bytearray((count - 1) * stride + segment.TAGGED_PREFIX_LEN + last_len)
+        mem = ffi.from_buffer("uint8_t[]", src)  # first: a released view raises before anything is held
         dst = ffi.from_buffer("uint8_t[]", buf)
-        mem = ffi.from_buffer("uint8_t[]", src)
         try:
             dev.native.lib.udpv_tx_tagged_bodies(t, dst, mem + start, count, stride, last_len, ends)
         finally:
@@ -574,8 +575,8 @@ class Device:
         """Feed one received buffer to ``pl``'s link: a datagram, or (``seg`` <
         its length) datagrams of ``seg`` bytes coalesced by GRO.
 
-        While the peer streams an RDMA Write, runs of its segments go to the
-        compiled lane (``_place_run``).  The datagrams it does not take go
+        While the peer streams an RDMA Write or Read Responses, runs of their
+        segments go to the compiled lane (``_place_run``).  The datagrams it does not take go
         through the link one by one, and whatever they deliver is dispatched
         at once: a later segment must not be placed before an earlier
         message has had its effect (a Send with Invalidate, say).
@@ -646,8 +647,12 @@ class Device:
         r.w1 = qp.dest_qpn
         r.stag = stag
         ffi = self.native.ffi
+        try:
+            mem = ffi.from_buffer("uint8_t[]", view, require_writable=True)
+        except ValueError:  # a Read's sink deregistered under it: the Python path counts the segment
+            pl.rx_hint = None
+            return 0
         buf = ffi.from_buffer("uint8_t[]", data)
-        mem = ffi.from_buffer("uint8_t[]", view, require_writable=True)
         try:
             k = self.native.lib.udpv_rx_write_run(r, buf + off, len(data) - off, seg, mem + start)
         finally:
@@ -777,12 +782,10 @@ class Device:
                 if kind == Kind.DDP:
                     qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
                     op = hdr.opcode
-                    if op == _OP_WRITE or op == _OP_READ_RESPONSE:
-                        if self.native is not None:
+                    if op not in _ANSWERED_BY_DAEMON:
+                        self._delivered = True
+                        if (op == _OP_WRITE or op == _OP_READ_RESPONSE) and self.native is not None:
                             pl.rx_hint = (qp, hdr.stag, op == _OP_READ_RESPONSE)
-                        self._delivered = True
-                    elif op not in _ANSWERED_BY_DAEMON:
-                        self._delivered = True
                 else:
                     qp.on_flow(payload)  # what it completes, the completion step reports
             elif kind == Kind.CM and self.cm is not None:

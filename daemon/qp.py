@@ -779,7 +779,7 @@ class QueuePair:
         while sent < budget and link.link.send_space() > 0:
             # Read and atomic responses first: the peer is waiting on us.
             if self.irrq:
-                sent += self._send_response(max_data, budget - sent if lane else 1)
+                sent += self._send_response(max_data, budget - sent)
                 continue
             if self.state != _RTS:
                 break
@@ -812,8 +812,9 @@ class QueuePair:
                 if k:
                     num = link.send_tagged_run(Opcode.RDMA_WRITE, self.dest_qpn, self.qpn, s.wr.rkey,
                                                (s.wr.raddr + s.sent) & _U64, view, base + g.off, k, last_len, ends)
-                    g.skip((k - 1) * max_data + last_len)
-                    s.sent += (k - 1) * max_data + last_len
+                    nbytes = (k - 1) * max_data + last_len
+                    g.skip(nbytes)
+                    s.sent += nbytes
                     sent += k
                     if ends:
                         self._write_sent(s, num)
@@ -879,7 +880,7 @@ class QueuePair:
             self.irrq.popleft()
             return 1
         remaining = r.size - r.sent
-        if room > 1 and remaining > max_data:
+        if self.device.native is not None and remaining > max_data:
             k, last_len, ends = _tagged_run(remaining, remaining, max_data, room, self.link.link.send_space())
             if k:
                 self.link.send_tagged_run(Opcode.RDMA_READ_RESPONSE, self.dest_qpn, self.qpn, r.sink_stag,

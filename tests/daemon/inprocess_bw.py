@@ -25,6 +25,7 @@ from udpverbs.wire.shm import WrOpcode
 from .test_batching import MR_LEN, Host
 
 WRITE = 65536
+TIME_LIMIT_S = 300  # a stream that stops moving ends the run
 
 
 def _more_qps(a: Host, b: Host, n: int) -> list[tuple[QueuePair, QueuePair]]:
@@ -68,6 +69,8 @@ async def main(mtu: int, total: int, native: bool, nqp: int, depth: int) -> None
         t_send = t_recv = 0.0
         start = time.perf_counter()
         while done < n:
+            if time.perf_counter() - start > TIME_LIMIT_S:
+                raise SystemExit(f"gave up after {TIME_LIMIT_S} s: {done} of {n} Writes done")
             for k, (qa, _) in enumerate(pairs):
                 while out[k] < per_qp and posted < n:
                     _post(a, qa, k, (posted * WRITE) % (MR_LEN - WRITE), b)

@@ -285,3 +285,36 @@ def test_the_daemon_flag_turns_the_lane_off() -> None:
         assert dev.native is None
     finally:
         dev.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_read_whose_sink_is_deregistered_midway_costs_the_daemon_nothing(native: bool) -> None:
+    # The sink's view is released under an outstanding Read (the application
+    # deregistered its region): the responses that follow are bad input,
+    # counted, never an exception out of the receive path.
+    a, req = Host("127.0.0.2", gso=False), Host("127.0.0.3", gso=False, native=native)
+    try:
+        clock = [1.0]
+        for h in (a, req):
+            h.dev._clock = lambda: clock[0]
+        a.connect(req)
+        req.connect(a)
+        pa = a.dev.links[(req.dev.config.addr, req.dev.config.port)]
+        pr = req.dev.links[(a.dev.config.addr, a.dev.config.port)]
+        req.post_write(1, 0, 300_000, a, 0, opcode=WrOpcode.IBV_WR_RDMA_READ)
+        closed = False
+        for _ in range(400):
+            clock[0] += _STEP_S
+            _receive(a, pa, [(d, len(d)) for d in _turn(req, pr, clock[0])], clock[0])
+            out = _turn(a, pa, clock[0])
+            if not closed and req.qp.orrq and req.qp.orrq[0].placed > 10_000:
+                req.dev.stags.invalidate(req.mr.stag)
+                req.mr.close()
+                closed = True
+            _receive(req, pr, [(b"".join(out), len(out[0]))] if out else [], clock[0])
+            if req.completions():
+                break
+        assert closed and req.dev.stats["rx_exception"] >= 1
+    finally:
+        a.close()
+        req.close()
