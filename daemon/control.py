@@ -456,6 +456,7 @@ def modify_qp(qp: QueuePair, attr_mask: int, attrs: dict[str, Any]) -> None:
             d.attach_link(qp, addr)
     if new != qp.state:
         qp.set_state(new)
+    d.qp_changed(qp)
     d.wake()
 
 

@@ -16,14 +16,19 @@ waking a trio task per event costs hundreds of microseconds (measured in
    QP (``qp.py``), CM messages to the connection manager;
 3. fire link timers that are due, react to link events (a failed link fails
    its QPs with IBV_WC_RETRY_EXC_ERR);
-4. retire WRs the link acknowledged (CQEs);
+4. retire WRs the link acknowledged (CQEs), visiting only QPs that an ACK
+   or a message of this pass concerns;
 5. if anything reached an application (placed data, a CQE), ``sched_yield``:
    on a shared vCPU the application waiting for it may be next in line, and
    measured on ``write_lat`` it saw its data about 40 µs sooner than when it
    waited for the rest of the pass; it often posts its answer at once, which
    step 6 finds in the same pass, and whose datagram then carries our ACK;
-6. let every QP queue segments (bounded by ``link.send_space()``) and flush
-   queues of QPs in ERR;
+6. let QPs queue segments (bounded by ``link.send_space()``) and flush
+   queues of QPs in ERR.  Not every QP: QPs with nothing to send are only
+   looked at for a moved SQ producer index; QPs with data wait on their
+   link's ready line and take turns while it has room, one RDMA Write per
+   turn; QPs something happened to (a message, a state change) are visited
+   first (``Device._sq_watch``);
 7. send what the links release (paced) on the socket: runs of equal-size
    datagrams go out in one UDP_SEGMENT ``sendmsg`` (GSO), up to 64 at a time.
 
@@ -48,6 +53,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import operator
 import os
 import random
 import select
@@ -124,12 +130,43 @@ DAEMON_PACING_BURST_PACKETS = 32.0
 DAEMON_MIN_RTO_S = 0.02
 _RX_BUF = 1 << 16
 _ERR = S.IBV_QPS_ERR
+_BY_RANK = operator.attrgetter("rank")
+
+
+class QPTable(dict):  # type: ignore[type-arg]
+    """The device's QPN -> QueuePair table, which counts its changes.
+
+    The data loop does not walk the table on each pass (with 64 QPs that
+    walk was half of a receiving daemon's pass); it keeps its own lists and
+    rebuilds them when ``version`` moves.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0
+
+    def __setitem__(self, key: int, value: "QueuePair") -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: int) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def pop(self, key: int, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
 
 
 class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
-    __slots__ = ("device", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint")
+    __slots__ = ("device", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint", "ack_waiters",
+                 "ready")
 
     def __init__(self, device: "Device", addr: tuple[str, int], link: Link) -> None:
         self.device = device
@@ -142,6 +179,12 @@ class PeerLink:
         # Response segment received: what the compiled receive lane may
         # place next (revalidated per call)
         self.rx_hint: tuple[QueuePair, int, bool] | None = None
+        # (link message number, QP): an RDMA Write's last segment, queued in
+        # number order; the QP may complete once the link acknowledges it
+        self.ack_waiters: collections.deque[tuple[int, QueuePair]] = collections.deque()
+        # QPs with data to send on this link, served round robin while the
+        # link takes more (a dict as an ordered set)
+        self.ready: dict[QueuePair, None] = {}
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
 
@@ -264,8 +307,23 @@ class Device:
         self.cqs = tables.Handles(config.max_cq)
         self.channels = tables.Handles(config.max_cq)
         self.srqs = tables.Handles(config.max_qp)
-        self.qps: dict[int, QueuePair] = {}
+        self.qps = QPTable()
         self._next_qpn = 1
+        # What the QP steps of a pass visit, instead of every QP.  For
+        # completions: the QPs a message or an ACK concerned.  For sending,
+        # each QP waits in one place: idle in ``_sq_watch`` (looked at only
+        # for new WQEs), ready on its link's ``ready`` (data to send, served
+        # round robin while the link has room), or in ``_to_pump``: visited
+        # on every pass in table order (``rank``) until it settles, because
+        # something happened to it (a message, a state change), or it is in
+        # ERR (new WQEs to flush) or owes a RESUME (its RQ is watched).
+        self._qps_seen = -1
+        self._sq_watch: dict[QueuePair, tuple[Any, shm.Ring]] = {}
+        self._to_complete: dict[QueuePair, None] = {}
+        self._to_pump: dict[QueuePair, None] = {}
+        # UDPVERBS_CHECK_PASSES=1 (the test suite sets it): check after every
+        # pass that no QP it left out had work (``check_pass``)
+        self.check_passes = os.environ.get("UDPVERBS_CHECK_PASSES", "") not in ("", "0")
         self.links: dict[tuple[str, int], PeerLink] = {}
         self.sessions: set[Any] = set()
         self.stats: collections.Counter[str] = collections.Counter()
@@ -519,6 +577,9 @@ class Device:
                 for pl in touched:
                     for msg in pl.link.drain_received():
                         self._dispatch(pl, msg)
+        if self.qps.version != self._qps_seen:
+            self._qps_changed()
+        to_complete = self._to_complete
         for pl in list(links.values()):
             link = pl.link
             d = link.next_deadline()
@@ -530,16 +591,22 @@ class Device:
                     self._link_event(pl, ev)
                     ev = link.next_event()
                 progress = True
-        qps = list(self.qps.values())
+            waiters = pl.ack_waiters
+            if waiters:
+                acked = link.acked
+                while waiters and waiters[0][0] < acked:
+                    to_complete[waiters.popleft()[1]] = None
         delivered = self._delivered
-        for qp in qps:
-            # Completions first: they only need what this pass received.
-            if qp.outstanding and qp.link is not None:
-                try:
-                    if qp.complete_acked(qp.link.link.acked):
-                        delivered = True
-                except Exception:  # an engine bug ends this QP, never the daemon
-                    self._qp_failed(qp)
+        if to_complete:
+            self._to_complete = {}
+            for qp in sorted(to_complete, key=_BY_RANK):
+                # Completions first: they only need what this pass received.
+                if qp.outstanding and qp.link is not None:
+                    try:
+                        if qp.complete_acked(qp.link.link.acked):
+                            delivered = True
+                    except Exception:  # an engine bug ends this QP, never the daemon
+                        self._qp_failed(qp)
         if delivered:
             # Something the application waits for (placed data, a CQE) is now
             # in its memory.  On a shared vCPU the application may be the
@@ -549,19 +616,43 @@ class Device:
             self._delivered = False
             progress = True
             os.sched_yield()
-        for qp in qps:
-            if qp.state == _ERR:
-                if qp.flush_rings():
+        to_pump = self._to_pump
+        watch = self._sq_watch
+        posted = [qp for qp, (hdr, sq) in watch.items() if hdr.producer != sq.cons]
+        for qp in posted:
+            del watch[qp]
+            if qp.link is not None:
+                qp.link.ready[qp] = None
+            else:
+                to_pump[qp] = None
+        if to_pump:
+            for qp in sorted(to_pump, key=_BY_RANK):
+                del to_pump[qp]
+                if qp.state == _ERR:
+                    if qp.flush_rings():
+                        progress = True
+                elif qp.link is not None and self._pump(qp):
                     progress = True
+                self._settle(qp)
+        for pl in list(links.values()):
+            ready = pl.ready
+            if not ready:
                 continue
-            if qp.link is None:
-                continue
-            try:
-                if qp.pump(64):
+            link = pl.link
+            for qp in list(ready):
+                if not link.send_space():
+                    break  # the rest wait their turn, in order
+                # A turn: the Write under way, if any, is finished and nothing
+                # new is taken; else new WQEs are taken and the last one
+                # taken is finished on the next passes.  So each Write's
+                # segments leave in one run (the peer's compiled lane places
+                # a run per QP) and no QP holds the link for more.
+                if self._pump(qp, start=qp.sending is None):
                     progress = True
-            except Exception:  # an engine bug ends this QP, never the daemon
-                self._qp_failed(qp)
-                progress = True
+                if qp.sending is not None and qp.state != _ERR:
+                    continue  # keeps its turn
+                del ready[qp]
+                self._settle(qp)  # back at the end of the line if it has more
         # Stamp what leaves with the time it leaves, not when this pass began
         # (a pass that placed data, yielded and pumped took a while): the
         # peer's RTT sample should hold the path, not our pass.
@@ -569,6 +660,8 @@ class Device:
         for pl in list(links.values()):
             if self._flush_link(pl):
                 progress = True
+        if self.check_passes:
+            self.check_pass()
         return progress
 
     def _receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float) -> None:
@@ -677,6 +770,69 @@ class Device:
         log.exception("QP %d failed", qp.qpn)
         qp.fatal("internal error")
 
+    def _pump(self, qp: QueuePair, start: bool = True) -> bool:
+        try:
+            return bool(qp.pump(64, start))
+        except Exception:  # an engine bug ends this QP, never the daemon
+            self._qp_failed(qp)
+            return True
+
+    def _settle(self, qp: QueuePair) -> None:
+        """Put ``qp``, just visited, where it waits for its next visit (see
+        ``_sq_watch``)."""
+        # In ERR, new WQEs (SQ or RQ) are to be flushed; owing a RESUME, the
+        # RQ is watched for a receive: either way, every pass.
+        every_pass = qp.state == _ERR or (qp.rx_rnr and not qp.rx_resume_sent)
+        if every_pass:
+            self._to_pump[qp] = None
+        pl = qp.link
+        if pl is not None and qp.state != _ERR and (qp.has_send_work() or qp.sq.hdr.producer != qp.sq.cons):
+            pl.ready[qp] = None  # keeps its place if it is already in line
+            return
+        if pl is not None:
+            pl.ready.pop(qp, None)
+        if not every_pass:
+            self._sq_watch[qp] = (qp.sq.hdr, qp.sq)
+
+    def qp_changed(self, qp: QueuePair) -> None:
+        """``qp`` may have WRs to complete or something to send: the next
+        pass visits it.  Called on a state change and on every message for
+        it; a QP not named here is visited only for new WQEs or its ACKs."""
+        self._to_complete[qp] = None
+        self._to_pump[qp] = None
+        self._sq_watch.pop(qp, None)
+
+    def _qps_changed(self) -> None:
+        """A QP came or went: forget where QPs wait, and visit each once."""
+        qps = list(self.qps.values())
+        for i, qp in enumerate(qps):
+            qp.rank = i
+        for pl in self.links.values():
+            pl.ready.clear()
+        self._sq_watch = {}
+        self._to_complete = dict.fromkeys(qps)
+        self._to_pump = dict.fromkeys(qps)
+        self._qps_seen = self.qps.version
+
+    def check_pass(self) -> None:
+        """Raise AssertionError if the last pass left a QP where no later
+        pass would find its work: a completable WR nobody will complete,
+        something to send while it sits idle, or in no place at all.  A
+        test hook (``check_passes``): it walks every QP."""
+        for qp in self.qps.values():
+            on_link = qp.link is not None and qp in qp.link.ready
+            places = (qp in self._sq_watch) + (qp in self._to_pump) + on_link
+            assert places, f"QP {qp.qpn} waits nowhere"
+            assert qp not in self._sq_watch or places == 1, f"QP {qp.qpn} is both idle and busy"
+            if qp.link is None:
+                continue
+            if qp.has_send_work():
+                assert qp in self._to_pump or on_link, f"QP {qp.qpn} idle with work to send"
+            if qp.outstanding and qp not in self._to_complete:
+                wr = qp.outstanding[0]
+                assert not (wr.done or 0 <= wr.last_n < qp.link.link.acked), \
+                    f"QP {qp.qpn} left out with WR {wr.wr_id} to complete"
+
     def _flush_link(self, pl: PeerLink) -> bool:
         out = pl.link.datagrams_to_send(self.now, self._clock)
         if not out or self.sock is None:
@@ -779,6 +935,7 @@ class Device:
                 if qp is None or qp.link is not pl or qp.dest_qpn != env.src_qpn:
                     self.stats["rx_no_qp"] += 1
                     return
+                self.qp_changed(qp)
                 if kind == Kind.DDP:
                     qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
                     op = hdr.opcode
@@ -809,6 +966,7 @@ class Device:
         if self.links.get(pl.addr) is pl:
             del self.links[pl.addr]
         for qp in list(pl.qps):
+            self.qp_changed(qp)
             # The retry budget is gone: the oldest unfinished WR gets RETRY_EXC_ERR.
             for wr in qp.outstanding:
                 if not wr.done and not (0 <= wr.last_n < pl.link.acked):

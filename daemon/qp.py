@@ -474,6 +474,7 @@ class QueuePair:
         }
         self.link: PeerLink | None = None
         self.dest_qpn = 0
+        self.rank = 0  # place in the device's QP table (the order in which a pass visits QPs)
         self._reset_engine()
 
     def _reset_engine(self) -> None:
@@ -525,6 +526,7 @@ class QueuePair:
         """Enter ``new`` (already validated): RESET discards, ERR flushes."""
         old = self.state
         self.state = new
+        self.device.qp_changed(self)
         if new == S.IBV_QPS_RESET:
             # Discard whatever is queued: RESET empties both work queues.
             try:
@@ -749,21 +751,21 @@ class QueuePair:
         self.orrq.append(_PendingAtomic(wr, gather, self.next_req_id))
         self.next_req_id = (self.next_req_id + 1) & _U32
 
-    def pump(self, budget: int) -> int:
-        """Queue up to ``budget`` messages on the link; return how many were queued."""
+    def pump(self, budget: int, start: bool = True) -> int:
+        """Queue up to ``budget`` messages on the link; return how many were
+        queued.  ``start=False``: take no new WQE (finish what is under way)."""
         link = self.link
         if link is None or not link.up:
             return 0
-        if (not self.irrq and self.sending is None and self.q0_cursor >= len(self.q0) and not self.flow_ack_due
-                and not (self.rx_rnr and not self.rx_resume_sent) and self.sq.hdr.producer == self.sq.cons):
-            return 0  # nothing to send: the common case of every idle pass
+        if not self.has_send_work() and self.sq.hdr.producer == self.sq.cons:
+            return 0  # nothing to send
         if not link.link.send_space() and not self.flow_ack_due and not self.rx_rnr:
             # The link takes nothing more this pass (another QP filled it) and
             # no flow-control message is owed: with 64 QPs streaming, going
             # further for each one cost more than their datagrams.
             return 0
         try:
-            return self._pump_messages(link, budget)
+            return self._pump_messages(link, budget, start)
         finally:
             # After our own messages: a flow message is shorter than any
             # segment, so it ends their UDP_SEGMENT run and leaves in the same
@@ -772,7 +774,13 @@ class QueuePair:
             # this QP's send side fails now.
             self._send_flow_control()
 
-    def _pump_messages(self, link: "PeerLink", budget: int) -> int:
+    def has_send_work(self) -> bool:
+        """Something to send besides new WQEs: responses, a Write or Send in
+        progress, flow control owed (the device pumps such a QP every pass)."""
+        return bool(self.irrq or self.sending is not None or self.q0_cursor < len(self.q0) or self.flow_ack_due
+                    or (self.rx_rnr and not self.rx_resume_sent))
+
+    def _pump_messages(self, link: "PeerLink", budget: int, start: bool) -> int:
         sent = 0
         max_data = link.max_data
         lane = self.device.native is not None
@@ -795,7 +803,7 @@ class QueuePair:
                 break  # Modified ACK/NACK: nothing new until the NACKed message is accepted
             s = self.sending
             if s is None:
-                if not self._start_next():
+                if not start or not self._start_next():
                     break
                 if self.state != S.IBV_QPS_RTS:
                     break
@@ -846,6 +854,8 @@ class QueuePair:
                                   imm=s.imm))
         else:
             s.wr.last_n = num
+            assert self.link is not None
+            self.link.ack_waiters.append((num, self))
 
     def _send_q0_segment(self, max_data: int) -> None:
         """Send the next segment of the queue-0 message at the cursor."""

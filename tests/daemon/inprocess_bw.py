@@ -18,50 +18,17 @@ import time
 
 import trio
 
-from udpverbs.daemon.qp import QueuePair
-from udpverbs.wire import shm
-from udpverbs.wire.shm import WrOpcode
-
-from .test_batching import MR_LEN, Host
+from .test_batching import MR_LEN, Host, establish, qp_pairs
 
 WRITE = 65536
 TIME_LIMIT_S = 300  # a stream that stops moving ends the run
 
 
-def _more_qps(a: Host, b: Host, n: int) -> list[tuple[QueuePair, QueuePair]]:
-    """QPs 2..n on both hosts (same PD, CQ and region as QP 1), connected pairwise."""
-    pairs = [(a.qp, b.qp)]
-    for qpn in range(2, n + 1):
-        qa, qb = (QueuePair(h.dev, qpn, h.sess, h.qp.pd, h.cq, h.cq, dict(Host.QP_CAPS), False) for h in (a, b))
-        a.dev.qps[qpn], b.dev.qps[qpn] = qa, qb
-        pairs.append((qa, qb))
-    return pairs
-
-
-def _post(a: Host, qp: QueuePair, wr_id: int, src_off: int, b: Host) -> None:
-    ring = qp.sq
-    ring.prod = ring.hdr.producer
-    at = ring.next_slot_offset()
-    shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, b.mr.addr, int(WrOpcode.IBV_WR_RDMA_WRITE),
-                                int(shm.SendFlags.IBV_SEND_SIGNALED), 1, 0, b.mr.stag, 0, 0, 0)
-    shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET, a.mr.addr + src_off, WRITE, a.mr.stag)
-    ring.push()
-    ring.publish()
-
-
 async def main(mtu: int, total: int, native: bool, nqp: int, depth: int) -> None:
     a, b = Host("127.0.0.2", gso=True, mtu=mtu, native=native), Host("127.0.0.3", gso=True, mtu=mtu, native=native)
     try:
-        pairs = _more_qps(a, b, nqp)
-        for qa, qb in pairs:
-            a.connect(b, qa, qb.qpn)
-            b.connect(a, qb, qa.qpn)
-        for _ in range(300):  # the handshake crosses real loopback sockets
-            a.dev.poll_once()
-            b.dev.poll_once()
-            if a.qp.link.link.state == b.qp.link.link.state == a.qp.link.link.state.ESTABLISHED:
-                break
-            await trio.sleep(0.001)
+        pairs = qp_pairs(a, b, nqp)
+        await establish(a, b)
         n = total // WRITE
         per_qp = max(1, depth // nqp)
         out = [0] * nqp
@@ -73,7 +40,7 @@ async def main(mtu: int, total: int, native: bool, nqp: int, depth: int) -> None
                 raise SystemExit(f"gave up after {TIME_LIMIT_S} s: {done} of {n} Writes done")
             for k, (qa, _) in enumerate(pairs):
                 while out[k] < per_qp and posted < n:
-                    _post(a, qa, k, (posted * WRITE) % (MR_LEN - WRITE), b)
+                    a.post_write(k, (posted * WRITE) % (MR_LEN - WRITE), WRITE, b, 0, qp=qa)
                     out[k] += 1
                     posted += 1
             t1 = time.perf_counter()

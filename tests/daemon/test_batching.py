@@ -50,6 +50,7 @@ class Host:
         self.cq = CompletionQueue(1, self.sess, 256, None)
         self.qp = QueuePair(self.dev, 1, self.sess, pd, self.cq, self.cq, dict(self.QP_CAPS), False)
         self.dev.qps[1] = self.qp
+        self.more_qps: list[QueuePair] = []  # qp_pairs'
 
     def close(self) -> None:
         """Release the device's sockets and the rings' and region's mappings."""
@@ -57,7 +58,8 @@ class Host:
         self.dev.stags.invalidate(self.mr.stag)
         self.mr.close()
         os.close(self._mr_fd)
-        self.qp.close()
+        for qp in (self.qp, *self.more_qps):
+            qp.close()
         self.cq.close()
         os.close(self._ctl.detach())  # a trio socket closes only inside trio.run
 
@@ -76,12 +78,12 @@ class Host:
 
     def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int,
                    rkey: int | None = None, *, sges: list[tuple[int, int]] | None = None,
-                   opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE) -> None:
+                   opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE, qp: QueuePair | None = None) -> None:
         """RDMA Write of ``length`` bytes from our MR at ``src_off`` to ``peer``'s at ``dst_off``
         (``rkey`` overrides the peer MR's STag; ``sges``, (offset, length) pairs
         in our MR, replace ``src_off`` and ``length``; ``opcode`` RDMA Read: from
-        the peer's MR into ours)."""
-        ring = self.qp.sq
+        the peer's MR into ours; ``qp``: another of our QPs than QP 1)."""
+        ring = (qp or self.qp).sq
         ring.prod = ring.hdr.producer
         at = ring.next_slot_offset()
         sges = sges or [(src_off, length)]
@@ -104,18 +106,39 @@ class Host:
         return out
 
 
+def qp_pairs(a: Host, b: Host, n: int) -> list[tuple[QueuePair, QueuePair]]:
+    """QP 1 and QPs 2..n on both hosts (same PD, CQ and region as QP 1), connected pairwise."""
+    pairs = [(a.qp, b.qp)]
+    for qpn in range(2, n + 1):
+        qa, qb = (QueuePair(h.dev, qpn, h.sess, h.qp.pd, h.cq, h.cq, dict(Host.QP_CAPS), False) for h in (a, b))
+        a.dev.qps[qpn], b.dev.qps[qpn] = qa, qb
+        a.more_qps.append(qa)
+        b.more_qps.append(qb)
+        pairs.append((qa, qb))
+    for qa, qb in pairs:
+        a.connect(b, qa, qb.qpn)
+        b.connect(a, qb, qa.qpn)
+    return pairs
+
+
+async def establish(a: Host, b: Host) -> None:
+    """Turn both loops until the link between ``a`` and ``b`` is up."""
+    for _ in range(300):  # the link handshake: real sockets, so give the datagrams a moment
+        a.dev.poll_once()
+        b.dev.poll_once()
+        if a.qp.link.link.state == b.qp.link.link.state == a.qp.link.link.state.ESTABLISHED:
+            return
+        await trio.sleep(0.001)
+    raise AssertionError("the link did not come up")
+
+
 async def _write_and_check(*, gso: bool, mtu: int, length: int) -> tuple[Host, Host]:
     a, b = Host("127.0.0.2", gso=gso, mtu=mtu), Host("127.0.0.3", gso=gso, mtu=mtu)
     a.connect(b)
     b.connect(a)
     rng = random.Random(length)
     a.mr.view[:length] = rng.randbytes(length)
-    for _ in range(200):  # the link handshake: real sockets, so give the datagrams a moment
-        a.dev.poll_once()
-        b.dev.poll_once()
-        if a.qp.link.link.state == b.qp.link.link.state == a.qp.link.link.state.ESTABLISHED:
-            break
-        await trio.sleep(0.001)
+    await establish(a, b)
     a.post_write(7, 0, length, b, 4096)
     done: list[tuple[int, int]] = []
     for _ in range(20000):
