@@ -162,6 +162,63 @@ class QPTable(dict):  # type: ignore[type-arg]
         super().clear()
 
 
+
+#: word of struct uv_ring_hdr holding the consumer index (the producer's is word 0)
+_CONSUMER_WORD = shm.ffi.offsetof("struct uv_ring_hdr", "consumer") // 4
+
+
+class SQWatch:
+    """The idle QPs of a pass (see ``Device._sq_watch``): looked at only for
+    a moved SQ producer index.
+
+    ``qps`` is the device's QP table in order (a QP's ``rank`` is its place).
+    With the compiled module one call compares the ring headers of all
+    watched QPs (a mask says which); without it, a Python step per QP.
+    Built anew whenever the table changes: it holds raw pointers into the
+    QPs' rings, which a destroyed QP unmaps.
+    """
+
+    def __init__(self, qps: list[QueuePair], native: Any) -> None:
+        self.qps = qps
+        self.members: dict[QueuePair, None] = {}
+        self._lib = None
+        if native is not None and qps:
+            ffi = native.ffi
+            self._hdrs = ffi.new("uint32_t *[]", [
+                ffi.cast("uint32_t *", int(shm.ffi.cast("uintptr_t", qp.sq.hdr))) for qp in qps])
+            self._mask = ffi.new("uint8_t[]", len(qps))
+            self._found = ffi.new("uint32_t[]", len(qps))
+            self._lib = native.lib
+
+    def __contains__(self, qp: QueuePair) -> bool:
+        return qp in self.members
+
+    def add(self, qp: QueuePair) -> None:
+        self.members[qp] = None
+        if self._lib is not None:
+            self._mask[qp.rank] = 1
+
+    def discard(self, qp: QueuePair) -> None:
+        if qp in self.members:
+            del self.members[qp]
+            if self._lib is not None:
+                self._mask[qp.rank] = 0
+
+    def take_posted(self) -> list[QueuePair]:
+        """The watched QPs with new WQEs, in table order, no longer watched."""
+        if not self.members:
+            return []
+        if self._lib is not None:
+            k = self._lib.udpv_rings_moved(self._hdrs, self._mask, len(self.qps), _CONSUMER_WORD, self._found)
+            if not k:
+                return []
+            found = [self.qps[i] for i in self._found[0:k]]
+        else:
+            found = sorted((qp for qp in self.members if qp.sq.hdr.producer != qp.sq.cons), key=_BY_RANK)
+        for qp in found:
+            self.discard(qp)
+        return found
+
 class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
@@ -318,7 +375,7 @@ class Device:
         # something happened to it (a message, a state change), or it is in
         # ERR (new WQEs to flush) or owes a RESUME (its RQ is watched).
         self._qps_seen = -1
-        self._sq_watch: dict[QueuePair, tuple[Any, shm.Ring]] = {}
+        self._sq_watch = SQWatch([], None)
         self._to_complete: dict[QueuePair, None] = {}
         self._to_pump: dict[QueuePair, None] = {}
         # UDPVERBS_CHECK_PASSES=1 (the test suite sets it): check after every
@@ -509,6 +566,8 @@ class Device:
         """
         now = self.now = self._clock()
         progress = False
+        if self.qps.version != self._qps_seen:
+            self._qps_changed()
         sock = self.sock
         links = self.links
         rx = self._rx_epoll
@@ -577,8 +636,6 @@ class Device:
                 for pl in touched:
                     for msg in pl.link.drain_received():
                         self._dispatch(pl, msg)
-        if self.qps.version != self._qps_seen:
-            self._qps_changed()
         to_complete = self._to_complete
         for pl in list(links.values()):
             link = pl.link
@@ -617,10 +674,7 @@ class Device:
             progress = True
             os.sched_yield()
         to_pump = self._to_pump
-        watch = self._sq_watch
-        posted = [qp for qp, (hdr, sq) in watch.items() if hdr.producer != sq.cons]
-        for qp in posted:
-            del watch[qp]
+        for qp in self._sq_watch.take_posted():
             if qp.link is not None:
                 qp.link.ready[qp] = None
             else:
@@ -792,7 +846,7 @@ class Device:
         if pl is not None:
             pl.ready.pop(qp, None)
         if not every_pass:
-            self._sq_watch[qp] = (qp.sq.hdr, qp.sq)
+            self._sq_watch.add(qp)
 
     def qp_changed(self, qp: QueuePair) -> None:
         """``qp`` may have WRs to complete or something to send: the next
@@ -800,7 +854,7 @@ class Device:
         it; a QP not named here is visited only for new WQEs or its ACKs."""
         self._to_complete[qp] = None
         self._to_pump[qp] = None
-        self._sq_watch.pop(qp, None)
+        self._sq_watch.discard(qp)
 
     def _qps_changed(self) -> None:
         """A QP came or went: forget where QPs wait, and visit each once."""
@@ -809,7 +863,7 @@ class Device:
             qp.rank = i
         for pl in self.links.values():
             pl.ready.clear()
-        self._sq_watch = {}
+        self._sq_watch = SQWatch(qps, self.native)
         self._to_complete = dict.fromkeys(qps)
         self._to_pump = dict.fromkeys(qps)
         self._qps_seen = self.qps.version

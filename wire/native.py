@@ -29,6 +29,11 @@ bytes of the Python encoders (``tests/wire/test_native.py``), and a device
 with the lanes sends what a device without them sends
 (``tests/daemon/test_native_send_lane.py``).
 
+One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
+idle QPs have new WQEs, comparing producer and consumer index in each SQ's
+header in one call instead of one Python step per QP (``daemon/device.py``,
+``SQWatch``).
+
 The extension is built on first use with the machine's C compiler into a
 cache directory (``$XDG_CACHE_HOME/udpverbs``, else ``~/.cache/udpverbs``),
 named by a hash of the C source and the Python ABI, so a changed source is
@@ -95,6 +100,9 @@ typedef struct {
 size_t udpv_tx_frame_run(const udpv_tx_frame *f, uint8_t *out, const uint8_t *bodies, size_t k, size_t stride,
                          size_t last_len);
 uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n);
+
+size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watched, size_t n, size_t cons_word,
+                        uint32_t *out);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")

@@ -14,8 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from udpverbs.daemon.device import SQWatch
 from udpverbs.daemon.qp import QueuePair
+from udpverbs.wire import native as wire_native
 from udpverbs.wire import link as wire_link
 from udpverbs.wire import segment
 from udpverbs.wire.envelope import Kind
@@ -151,3 +155,37 @@ async def test_qps_take_turns_and_each_write_leaves_in_one_run(native: bool) -> 
         a.dev.sock = tap.sock
         a.close()
         b.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["post", "consume", "watch", "unwatch", "scan"]),
+                          st.integers(0, 5), st.integers(1, 3)), max_size=40))
+def test_the_compiled_sq_watch_finds_what_the_python_one_finds(ops: list[tuple[str, int, int]]) -> None:
+    """Both SQWatch forms, over the same rings and the same members, take
+    the same QPs: watched ones whose producer index moved past the daemon's."""
+    native = wire_native.load()
+    if native is None:
+        pytest.skip("no compiled module on this machine")
+    a = Host("127.0.0.2", gso=False)
+    try:
+        a.more_qps = [QueuePair(a.dev, qpn, a.sess, a.qp.pd, a.cq, a.cq, dict(Host.QP_CAPS), False)
+                      for qpn in range(2, 7)]
+        qps = [a.qp, *a.more_qps]
+        for rank, qp in enumerate(qps):
+            qp.rank = rank
+        fast, slow = SQWatch(qps, native), SQWatch(qps, None)
+        for op, i, n in ops:
+            qp = qps[i]
+            if op == "post":  # as the application does: WQE slots, then the index
+                qp.sq.hdr.producer = (qp.sq.hdr.producer + n) & 0xFFFFFFFF
+            elif op == "consume":
+                qp.sq.pop(min(n, qp.sq.available()))
+            elif op in ("watch", "unwatch"):
+                for w in (fast, slow):
+                    (w.add if op == "watch" else w.discard)(qp)
+            else:
+                assert fast.take_posted() == slow.take_posted()
+                assert fast.members == slow.members
+        assert fast.take_posted() == slow.take_posted()
+    finally:
+        a.close()
