@@ -289,9 +289,10 @@ size_t udpv_tx_frame_run(const udpv_tx_frame *f, uint8_t *out, const uint8_t *bo
 /* For each i < n with watched[i]: does the ring header at hdr[i] show a
    producer index other than its consumer index (words 0 and cons_word of
    wire/shm.py's struct uv_ring_hdr)? Writes those i to out and returns how
-   many. The application writes both words as it likes: a wrong value costs
-   its own QP a needless visit or a missed one, never the daemon anything,
-   since the pump reads WQEs against its private consumer index. */
+   many. Both words sit in the application's mapping, so it can write any
+   value there: that costs its own QP a needless visit or a missed one,
+   never the daemon anything, since the pump reads WQEs against its private
+   consumer index. */
 size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watched, size_t n, size_t cons_word,
                         uint32_t *out) {
     size_t k = 0;
