@@ -449,7 +449,7 @@ class Session:
         answer = p.spec.verb == "atomic"
         start, completions = rawudp.bandwidth_client(
             sock, size, p.mtu, iters=iters, duration_s=p.duration_s, run=run, answer=answer,
-            window=min(p.depth(), rawudp.default_window(sock)) if answer else None,
+            window=min(p.depth(), rawudp.default_window(sock, p.mtu)) if answer else None,
         )  # fmt: skip
         self.ctrl.send({"op": "done"})
         return bandwidth_stats(size, start, completions, p.depth())

@@ -50,6 +50,8 @@ import struct
 import time
 from typing import Callable
 
+from ..transport.sockbuf import datagrams_that_fit
+
 #: kind u8, flags u8, run u16, seq u32, index u32, total u32
 HDR = struct.Struct("!BBHIII")
 KIND_DATA = 1
@@ -93,14 +95,17 @@ def open_socket(local_ip: str) -> socket.socket:
     return sock
 
 
-def default_window(sock: socket.socket) -> int:
+def default_window(sock: socket.socket, mtu: int) -> int:
     """Return the datagram window the receive buffer can absorb without loss.
 
-    The kernel charges ~2-4 KB of buffer per loopback datagram whatever its
-    payload, so the window is the granted buffer / 4 KB, kept in 8..256.
+    Sized as the daemons size their flow-control window: by what one
+    datagram of this MTU costs the buffer (a few KB for small ones, the
+    whole datagram and more for large), kept in 4..256. A window counted at
+    4 KB a datagram overflowed the buffer at 64 KB datagrams and held the
+    stream to its retransmission timeout whenever the receiver fell behind.
     """
     granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-    return max(8, min(256, granted // 4096))
+    return datagrams_that_fit(granted, mtu - IP_UDP_OVERHEAD)
 
 
 def _set_rcv_timeout(sock: socket.socket, seconds: float) -> None:
@@ -282,7 +287,7 @@ def latency_client(
     Raises: BaselineError if the server stays silent.
     """
     req = size if request_size is None else request_size
-    ep = _PingPong(sock, req, size, mtu, run, window or default_window(sock))
+    ep = _PingPong(sock, req, size, mtu, run, window or default_window(sock, mtu))
     _set_rcv_timeout(sock, CLIENT_RTO_S)
     samples: list[int] = []
     state = {"progress": time.monotonic()}
@@ -333,7 +338,7 @@ def latency_server(
     Returns: the number of messages answered.
     """
     req = size if request_size is None else request_size
-    ep = _PingPong(sock, size, req, mtu, run, window or default_window(sock))
+    ep = _PingPong(sock, size, req, mtu, run, window or default_window(sock, mtu))
     _set_rcv_timeout(sock, SERVER_POLL_S)
     seq = 0
     while ep.recv_msg(seq, stop):
@@ -364,7 +369,7 @@ def bandwidth_client(
     Raises: BaselineError if the server stays silent, or with ``answer`` a
     message needs more than one datagram.
     """
-    ep = _Endpoint(sock, size, mtu, run, window or default_window(sock))
+    ep = _Endpoint(sock, size, mtu, run, window or default_window(sock, mtu))
     if answer:
         ep.one_datagram()
     into = ep.rx if answer else ep.rx[:0]
@@ -423,7 +428,7 @@ def bandwidth_server(
     (each ACK then carries ``size`` bytes).
     Returns: the number of datagrams received in order.
     """
-    ep = _Endpoint(sock, size, mtu, run, window or default_window(sock))
+    ep = _Endpoint(sock, size, mtu, run, window or default_window(sock, mtu))
     payload = None
     if answer:
         ep.one_datagram()

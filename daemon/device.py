@@ -68,6 +68,7 @@ import trio.testing
 
 from ..transport.congestion.base import create as create_cc
 from ..transport.link import Link, LinkConfig, LinkFailed, LinkUp
+from ..transport.sockbuf import datagrams_that_fit
 from ..wire import ctl, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
 from ..wire import native as wire_native
@@ -317,18 +318,6 @@ class DeviceConfig:
         self.native = native
 
 
-def skb_truesize(udp_payload: int) -> int:
-    """What one received datagram of ``udp_payload`` bytes costs a socket's
-    receive buffer, rounded up: the kernel charges its allocation (a
-    power of two for small ones, whole pages for large) plus the sk_buff.
-    Measured on Linux 6.18 loopback: 2,304 B for 1,472; 16,644 for 8,972;
-    66,576 for 65,507."""
-    need = udp_payload + 320
-    if need <= 32768:
-        return 2 * (1 << (need - 1).bit_length()) + 256  # 2x: drivers' allocations vary
-    return udp_payload + 2048
-
-
 def _arrival(stamp: float, now: float) -> float:
     """A kernel arrival stamp on our clock, trusted only between a second
     ago and ``now`` (a wall-clock step between the two reads, a stamp the
@@ -438,10 +427,9 @@ class Device:
         self.config.port = s.getsockname()[1]
         # Flow control must keep what a peer may have in flight inside our
         # socket buffer, or a blasting sender loses datagrams to overflow.
-        # The buffer holds rcvbuf / truesize datagrams; the rest of the
-        # buffer is headroom for other peers and control traffic.
-        fit = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) * 3 // 4 // skb_truesize(self.config.mtu)
-        self.link_config.rwnd_packets = max(4, min(self.link_config.rwnd_packets, fit))
+        rcvbuf = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        self.link_config.rwnd_packets = datagrams_that_fit(rcvbuf, self.config.mtu,
+                                                           high=self.link_config.rwnd_packets)
         # Kernel arrival stamps: a link's RTT samples then measure the path
         # between the two kernels, not how long a datagram waited in a socket
         # for a daemon that was not running (see _arrival).

@@ -202,6 +202,31 @@ def test_silent_peer_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) 
             rawudp.latency_client(a, 2, 1500, iters=1, run=1)
 
 
+@pytest.mark.parametrize("mtu", [1500, 9000, 65535])
+def test_a_full_window_fits_a_receiver_that_reads_nothing(mtu: int) -> None:
+    # The window is all a stream may have unacknowledged: a receiver that
+    # falls behind must still find every datagram of it in its buffer, or
+    # the stream waits out a retransmission timeout (at 64 KB datagrams a
+    # window counted at 4 KB a datagram was 256, twice what the buffer took).
+    a, b = rawudp.open_socket("127.0.0.1"), rawudp.open_socket("127.0.0.1")
+    with a, b:
+        a.connect(b.getsockname())
+        window = rawudp.default_window(b, mtu)
+        assert window >= 4
+        datagram = bytes(mtu - rawudp.IP_UDP_OVERHEAD)
+        for _ in range(window):
+            a.send(datagram)
+        b.setblocking(False)
+        got = 0
+        try:
+            while got <= window:
+                b.recv(len(datagram))
+                got += 1
+        except BlockingIOError:
+            pass
+        assert got == window
+
+
 def test_mtu_without_room_is_refused() -> None:
     with pytest.raises(rawudp.BaselineError):
         rawudp.chunk_bytes(rawudp.IP_UDP_OVERHEAD + rawudp.HDR.size)

@@ -23,6 +23,7 @@ from udpverbs.daemon import tables
 from udpverbs.daemon.control import Session, modify_qp
 from udpverbs.daemon.device import Device, DeviceConfig
 from udpverbs.daemon.qp import CompletionQueue, QueuePair
+from udpverbs.transport.sockbuf import skb_truesize
 from udpverbs.wire import ctl, shm
 from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
 
@@ -285,7 +286,7 @@ def test_the_receive_window_fits_in_the_socket_buffer(mtu: int) -> None:
         rcvbuf = dev.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         rwnd = dev.link_config.rwnd_packets
         assert 4 <= rwnd <= 256
-        assert rwnd * devmod.skb_truesize(mtu) <= rcvbuf
+        assert rwnd * skb_truesize(mtu) <= rcvbuf
         if mtu == 1472 and rcvbuf >= 4 << 20:
             assert rwnd == 256  # small datagrams keep the full window
     finally:
@@ -294,7 +295,7 @@ def test_the_receive_window_fits_in_the_socket_buffer(mtu: int) -> None:
 
 @pytest.mark.parametrize(("mtu", "measured"), [(1472, 2304), (8972, 16644), (65507, 66576)])
 def test_truesize_estimate_covers_what_the_kernel_charged(mtu: int, measured: int) -> None:
-    assert measured <= devmod.skb_truesize(mtu) <= 2 * measured
+    assert measured <= skb_truesize(mtu) <= 2 * measured
 
 
 async def test_a_datagram_carries_its_kernel_arrival_time_to_the_link() -> None:
