@@ -24,6 +24,20 @@ from ..wire import ctl
 
 DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
 DEFAULT_MTU = 1472  #: UDP payload of a 1500-byte Ethernet MTU
+#: UDP payload bytes a datagram may carry: IPv4's minimum MTU (576) and its
+#: largest datagram (65,535) less the IP and UDP headers.
+MIN_MTU, MAX_MTU = 576 - 28, 65535 - 28
+
+
+def check_mtu(mtu: int) -> int:
+    """Return ``mtu`` if a datagram can carry it.
+
+    Raises: ValueError otherwise (above 65,507 B the kernel refuses every
+    full datagram, and the link would die retransmitting them).
+    """
+    if not MIN_MTU <= int(mtu) <= MAX_MTU:
+        raise ValueError(f"mtu {mtu} out of range {MIN_MTU}..{MAX_MTU}")
+    return int(mtu)
 DEFAULT_NAME = "uv0"
 
 
@@ -93,8 +107,7 @@ def load(argv: list[str] | None = None) -> dict[str, Any]:
     for key in ("gso", "native"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"{key} must be true or false, not {cfg[key]!r}")
-    if not 576 - 28 <= int(cfg["mtu"]) <= 65507:
-        raise ValueError(f"mtu {cfg['mtu']} out of range 548..65507")
+    check_mtu(cfg["mtu"])
     link = dict(cfg.pop("link", {}) or {})
     for item in args.link:
         key, sep, value = item.partition("=")

@@ -77,6 +77,7 @@ from ..wire.errors import WireError
 from ..wire.rdmap import Opcode
 from ..wire.shm import EventType, QPState as S, WcStatus as W
 from . import tables
+from .config import check_mtu
 from .qp import _OP_READ_RESPONSE, _OP_WRITE, _RECEIVING, _REMOTE_WRITE, QueuePair, _PendingRead
 
 log = logging.getLogger("udpverbs.daemon")
@@ -300,7 +301,7 @@ class DeviceConfig:
         self.name = name
         self.addr = addr
         self.port = port
-        self.mtu = mtu
+        self.mtu = check_mtu(mtu)
         self.spin_s = spin_us * 1e-6
         self.max_sleep_s = max_sleep_s
         self.max_qp = max_qp

@@ -13,6 +13,7 @@ import tempfile
 import pytest
 
 from udpverbs import verbs
+from udpverbs.daemon.device import DeviceConfig
 from udpverbs.verbs.enums import IBV_ACCESS_LOCAL_WRITE, IBV_QPT_RC
 from udpverbs.wire import ctl, link
 
@@ -53,6 +54,16 @@ def test_refuses_a_second_daemon_on_the_same_socket_or_port(rundir) -> None:
         # the first daemon is unaffected
         with verbs.Context(socket_path=d.socket_path) as ctx:
             assert ctx.query_port().lid == d.port
+
+
+@pytest.mark.parametrize("mtu", [547, 65508, 65535])
+def test_a_device_refuses_a_payload_no_datagram_can_carry(mtu: int) -> None:
+    # Built in code rather than from flags, a device used to accept 65,535
+    # and lose its first link to retransmit_budget (the kernel refused every
+    # full datagram with EMSGSIZE).
+    with pytest.raises(ValueError, match="mtu"):
+        DeviceConfig(mtu=mtu)
+    assert DeviceConfig(mtu=548).mtu == 548 and DeviceConfig(mtu=65507).mtu == 65507
 
 
 def test_bad_flags_and_config(rundir) -> None:
