@@ -262,31 +262,47 @@ class PeerLink:
 
     def send_tagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, stag: int, to: int, src: memoryview,
                         start: int, count: int, last_len: int, ends: bool) -> int:
-        """Queue ``count`` tagged segments of one message, payload from
-        ``src[start:]`` (``max_data`` bytes each, the last ``last_len``),
-        built by the compiled send lane; return the last one's message number.
+        """Queue ``count`` tagged segments of one message (RFC 5041 §4.1: an
+        RDMA Write or Read Response), payload from ``src[start:]``
+        (``max_data`` bytes each, the last ``last_len``), built by the
+        compiled send lane; return the last one's message number.
 
         ``ends``: the last of them is the message's last segment.
         """
         dev = self.device
+        segment.pack_tagged_into(dev.tx_more, 0, dst_qpn, src_qpn, opcode, False, stag, 0)
+        segment.pack_tagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, stag, 0)
+        t = dev.tx_segments
+        t.prefix, t.off_at, t.off_len, t.off = segment.TAGGED_PREFIX_LEN, segment.TO_AT, 8, to
+        return self._send_segments(src, start, count, last_len, ends, segment.TAGGED_PREFIX_LEN)
+
+    def send_untagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, msn: int, mo: int, inv_stag: int,
+                          flags: int, src: memoryview, start: int, count: int, last_len: int, ends: bool) -> int:
+        """As :meth:`send_tagged_run`, for untagged segments (RFC 5041 §4.2:
+        a Send's) of message ``msn`` from offset ``mo``; ``flags``, the
+        envelope flags, go on the message's last segment only."""
+        dev = self.device
+        segment.pack_untagged_into(dev.tx_more, 0, dst_qpn, src_qpn, opcode, False, msn, 0, inv_stag, 0)
+        segment.pack_untagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, msn, 0, inv_stag, flags)
+        t = dev.tx_segments
+        t.prefix, t.off_at, t.off_len, t.off = segment.UNTAGGED_PREFIX_LEN, segment.MO_AT, 4, mo
+        return self._send_segments(src, start, count, last_len, ends, segment.UNTAGGED_PREFIX_LEN)
+
+    def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool,
+                       prefix: int) -> int:
+        dev = self.device
         ffi = dev.native.ffi
-        t = dev.tx_tagged
-        t.w0 = segment._DDP_WORD | dst_qpn
-        t.w1 = src_qpn
-        t.ctrl_more, t.rctl_more = rdmap.tagged_control(opcode, False)
-        t.ctrl_last, t.rctl_last = rdmap.tagged_control(opcode, True)
-        t.stag = stag
-        t.to = to
+        # every segment's link body is the same size: a longer header, less payload
         stride = segment.TAGGED_PREFIX_LEN + self.max_data
-        buf = bytearray((count - 1) * stride + segment.TAGGED_PREFIX_LEN + last_len)
+        buf = bytearray((count - 1) * stride + prefix + last_len)
         mem = ffi.from_buffer("uint8_t[]", src)  # first: a released view raises before anything is held
         dst = ffi.from_buffer("uint8_t[]", buf)
         try:
-            dev.native.lib.udpv_tx_tagged_bodies(t, dst, mem + start, count, stride, last_len, ends)
+            dev.native.lib.udpv_tx_bodies(dev.tx_segments, dst, mem + start, count, stride, last_len, ends)
         finally:
             ffi.release(mem)  # no export may outlive the call: deregistration releases the view
             ffi.release(dst)
-        return self.link.send_run(buf, stride, count, segment.TAGGED_PREFIX_LEN + last_len) + count - 1
+        return self.link.send_run(buf, stride, count, prefix + last_len) + count - 1
 
 
 class DeviceConfig:
@@ -393,7 +409,10 @@ class Device:
         self._rx_run: Any = None
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
-            self.tx_tagged = self.native.ffi.new("udpv_tx_tagged *")  # the send lane's segment fields
+            # the send lane's segment headers, packed in place by wire/segment.py
+            self.tx_segments = self.native.ffi.new("udpv_tx_segments *")
+            self.tx_more = self.native.ffi.buffer(self.tx_segments.more)
+            self.tx_last = self.native.ffi.buffer(self.tx_segments.last)
         self.gid = ctl.gid_from_ip(config.addr)
         self.epoll = select.epoll()
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

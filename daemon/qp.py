@@ -289,7 +289,7 @@ class OutWR:
         self.atomic_msn = -1  # queue-3 MSN of an Atomic Request
 
 
-def _tagged_run(remaining: int, contiguous: int, max_data: int, room: int, space: int) -> tuple[int, int, bool]:
+def _lane_run(remaining: int, contiguous: int, max_data: int, room: int, space: int) -> tuple[int, int, bool]:
     """How many of a message's next segments the send lane builds in one go:
     ``(count, the last one's payload length, whether it is the message's
     last)``; count 0 (fewer than two): the per-segment path.
@@ -796,8 +796,7 @@ class QueuePair:
                     break  # receiver not ready: back off (a RESUME ends this early)
                 self.rnr_until = None
             if self.q0_cursor < len(self.q0):
-                self._send_q0_segment(max_data - _UNTAGGED_EXTRA)
-                sent += 1
+                sent += self._send_q0_segments(max_data - _UNTAGGED_EXTRA, budget - sent, lane)
                 continue
             if self.rnr_blocked_msn >= 0:
                 break  # Modified ACK/NACK: nothing new until the NACKed message is accepted
@@ -815,8 +814,8 @@ class QueuePair:
                 # through the compiled send lane.
                 g = s.gather
                 view, base, length = g.pieces[g.idx]
-                k, last_len, ends = _tagged_run(remaining, length - g.off, max_data, budget - sent,
-                                                link.link.send_space())
+                k, last_len, ends = _lane_run(remaining, length - g.off, max_data, budget - sent,
+                                              link.link.send_space())
                 if k:
                     num = link.send_tagged_run(Opcode.RDMA_WRITE, self.dest_qpn, self.qpn, s.wr.rkey,
                                                (s.wr.raddr + s.sent) & _U64, view, base + g.off, k, last_len, ends)
@@ -857,16 +856,33 @@ class QueuePair:
             assert self.link is not None
             self.link.ack_waiters.append((num, self))
 
-    def _send_q0_segment(self, max_data: int) -> None:
-        """Send the next segment of the queue-0 message at the cursor."""
+    def _send_q0_segments(self, max_data: int, room: int, lane: bool) -> int:
+        """Send the next segments (at most ``room``) of the queue-0 message at
+        the cursor; return how many."""
         m = self.q0[self.q0_cursor]
         if m.gather is None:
             self._send_untagged(m.opcode, m.msn, rdmap.encode_immediate_data(m.imm))
             self.q0_cursor += 1
-            return
+            return 1
         assert self.link is not None
         total = m.gather.total
-        n = min(max_data, total - m.sent)
+        remaining = total - m.sent
+        if lane and remaining > max_data:
+            # Two segments or more: the run within the current SGE goes
+            # through the compiled send lane, as a Write's does.
+            g = m.gather
+            view, base, length = g.pieces[g.idx]
+            k, last_len, ends = _lane_run(remaining, length - g.off, max_data, room, self.link.link.send_space())
+            if k:
+                self.link.send_untagged_run(m.opcode, self.dest_qpn, self.qpn, m.msn & _U32, m.sent, m.inv_stag,
+                                            m.flags, view, base + g.off, k, last_len, ends)
+                nbytes = (k - 1) * max_data + last_len
+                g.skip(nbytes)
+                m.sent += nbytes
+                if ends:
+                    self.q0_cursor += 1
+                return k
+        n = min(max_data, remaining)
         last = m.sent + n == total
         buf = bytearray(_UNTAGGED_PREFIX + n)
         # RFC 5041 §5.3: MSN numbers the message, MO is this segment's offset in it.
@@ -878,6 +894,7 @@ class QueuePair:
         self.link.send(buf)
         if last:
             self.q0_cursor += 1
+        return 1
 
     def _send_response(self, max_data: int, room: int) -> int:
         """Send the next segments (at most ``room``) of the IRRQ head, a Read
@@ -891,7 +908,7 @@ class QueuePair:
             return 1
         remaining = r.size - r.sent
         if self.device.native is not None and remaining > max_data:
-            k, last_len, ends = _tagged_run(remaining, remaining, max_data, room, self.link.link.send_space())
+            k, last_len, ends = _lane_run(remaining, remaining, max_data, room, self.link.link.send_space())
             if k:
                 self.link.send_tagged_run(Opcode.RDMA_READ_RESPONSE, self.dest_qpn, self.qpn, r.sink_stag,
                                           (r.sink_to + r.sent) & _U64, r.view, r.off + r.sent, k, last_len, ends)

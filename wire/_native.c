@@ -217,36 +217,39 @@ static inline void put32(uint8_t *p, uint32_t v) {
 }
 static inline void put64(uint8_t *p, uint64_t v) { put32(p, (uint32_t)(v >> 32)); put32(p + 4, (uint32_t)v); }
 
+/* A DDP segment header as wire/segment.py packs it (envelope + tagged or
+   untagged header), for a message's segments that are not its last and for
+   its last; only the segment's offset differs from one segment to the next:
+   the tagged offset (TO, 8 bytes at 14) or the message offset (MO, 4 bytes
+   at 22). Python packs both headers, so their layout has one definition. */
 typedef struct {
-    uint32_t w0, w1;                 /* envelope words */
-    uint8_t ctrl_more, rctl_more;    /* DDP and RDMAP control bytes of a segment that is not the message's last */
-    uint8_t ctrl_last, rctl_last;    /* ... of the message's last segment */
-    uint32_t stag;
-    uint64_t to;                     /* tagged offset of the first segment's first byte */
-} udpv_tx_tagged;
+    uint8_t more[32];
+    uint8_t last[32];
+    uint32_t prefix;   /* header bytes: 22 tagged, 26 untagged */
+    uint32_t off_at;   /* where the offset field starts */
+    uint32_t off_len;  /* 8 (TO) or 4 (MO) */
+    uint64_t off;      /* the first segment's offset */
+} udpv_tx_segments;
 
-/* k link bodies (envelope + tagged DDP header + payload) for consecutive
-   segments of one message, `stride` = 22 + max_data bytes apart in `out`;
-   payload from `src`, max_data bytes each, the k-th `last_len` bytes. The
-   k-th carries the last-segment control bytes when `ends` (the message's
-   last segment). Layout: wire/segment.py _ENV_TAGGED. */
-void udpv_tx_tagged_bodies(const udpv_tx_tagged *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
-                           size_t last_len, int ends) {
-    size_t max_data = stride - TAGGED_PREFIX_LEN;
-    uint64_t to = t->to;
+/* k link bodies (header + payload) for consecutive segments of one message,
+   `stride` = prefix + max_data bytes apart in `out`; payload from `src`,
+   max_data bytes each, the k-th `last_len` bytes. The k-th gets the `last`
+   header when `ends` (the message's last segment). */
+void udpv_tx_bodies(const udpv_tx_segments *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
+                    size_t last_len, int ends) {
+    size_t prefix = t->prefix, max_data = stride - prefix;
+    uint64_t off = t->off;
     for (size_t i = 0; i < k; i++) {
         uint8_t *b = out + i * stride;
-        int last = ends && i + 1 == k;
-        put32(b, t->w0);
-        put32(b + 4, t->w1);
-        b[8] = last ? t->ctrl_last : t->ctrl_more;
-        b[9] = last ? t->rctl_last : t->rctl_more;
-        put32(b + 10, t->stag);
-        put64(b + 14, to);
+        memcpy(b, ends && i + 1 == k ? t->last : t->more, prefix);
+        if (t->off_len == 8)
+            put64(b + t->off_at, off);
+        else
+            put32(b + t->off_at, (uint32_t)off);
         size_t n = i + 1 == k ? last_len : max_data;
-        memcpy(b + TAGGED_PREFIX_LEN, src, n);
+        memcpy(b + prefix, src, n);
         src += n;
-        to += n;
+        off += n;
     }
 }
 

@@ -81,15 +81,16 @@ typedef struct {
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem);
 
 typedef struct {
-    uint32_t w0, w1;
-    uint8_t ctrl_more, rctl_more;
-    uint8_t ctrl_last, rctl_last;
-    uint32_t stag;
-    uint64_t to;
-} udpv_tx_tagged;
+    uint8_t more[32];
+    uint8_t last[32];
+    uint32_t prefix;
+    uint32_t off_at;
+    uint32_t off_len;
+    uint64_t off;
+} udpv_tx_segments;
 
-void udpv_tx_tagged_bodies(const udpv_tx_tagged *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
-                           size_t last_len, int ends);
+void udpv_tx_bodies(const udpv_tx_segments *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
+                    size_t last_len, int ends);
 
 typedef struct {
     uint32_t path_id, conn_tag, seq, ack, ts, echo, rwnd;

@@ -32,6 +32,11 @@ UNTAGGED_PREFIX_LEN = ENVELOPE_LEN + rdmap.ddp.UNTAGGED_HEADER_LEN  # 26
 _ENV_TAGGED = struct.Struct("!IIBBIQ")  # envelope words, then RFC 5041 §6.2
 _ENV_UNTAGGED = struct.Struct("!IIBBIIII")  # envelope words, then RFC 5041 §6.3
 assert _ENV_TAGGED.size == TAGGED_PREFIX_LEN and _ENV_UNTAGGED.size == UNTAGGED_PREFIX_LEN
+#: where the segment's offset sits in those headers, for builders that stamp
+#: it into a packed header: the tagged offset (TO, 8 bytes), the message
+#: offset (MO, 4 bytes)
+TO_AT = struct.calcsize(_ENV_TAGGED.format[:-1])  # 14
+MO_AT = struct.calcsize(_ENV_UNTAGGED.format[:-1])  # 22
 _DDP = int(Kind.DDP)
 _DDP_WORD = _DDP << 24
 _TN = tuple.__new__  # see rdmap._TN

@@ -5,10 +5,12 @@ which time each device's pass apart (what one datagram costs the sender's
 daemon and the receiver's) with no scheduler, applications or other
 processes in the way.
 
-    python -m tests.daemon.inprocess_bw [--mtu 1472] [--bytes 40000000] [--qps 1] [--depth 16] [--no-native]
+    python -m tests.daemon.inprocess_bw [--mtu 1472] [--bytes 40000000] [--qps 1] [--depth 16] [--no-native] [--send]
 
 With ``--qps N`` the Writes are spread over N QP pairs on the one link,
-``--depth`` Writes in flight in all (at least one per QP).
+``--depth`` Writes in flight in all (at least one per QP).  ``--send``
+streams Sends instead, on one QP, each into a receive posted ahead of it
+(at most the 4 a test Host's QP holds).
 """
 
 from __future__ import annotations
@@ -18,19 +20,26 @@ import time
 
 import trio
 
+from udpverbs.wire.shm import WrOpcode
+
 from .test_batching import MR_LEN, Host, establish, qp_pairs
 
 WRITE = 65536
 TIME_LIMIT_S = 300  # a stream that stops moving ends the run
 
 
-async def main(mtu: int, total: int, native: bool, nqp: int, depth: int) -> None:
+async def main(mtu: int, total: int, native: bool, nqp: int, depth: int, send: bool = False) -> None:
     a, b = Host("127.0.0.2", gso=True, mtu=mtu, native=native), Host("127.0.0.3", gso=True, mtu=mtu, native=native)
     try:
         pairs = qp_pairs(a, b, nqp)
         await establish(a, b)
         n = total // WRITE
         per_qp = max(1, depth // nqp)
+        if send:
+            nqp, pairs, per_qp = 1, pairs[:1], min(depth, Host.QP_CAPS["max_recv_wr"])
+            for i in range(per_qp):
+                b.post_recv(i, 0, WRITE)
+        opcode = WrOpcode.IBV_WR_SEND if send else WrOpcode.IBV_WR_RDMA_WRITE
         out = [0] * nqp
         posted = done = 0
         t_send = t_recv = 0.0
@@ -40,7 +49,7 @@ async def main(mtu: int, total: int, native: bool, nqp: int, depth: int) -> None
                 raise SystemExit(f"gave up after {TIME_LIMIT_S} s: {done} of {n} Writes done")
             for k, (qa, _) in enumerate(pairs):
                 while out[k] < per_qp and posted < n:
-                    a.post_write(k, (posted * WRITE) % (MR_LEN - WRITE), WRITE, b, 0, qp=qa)
+                    a.post_write(k, (posted * WRITE) % (MR_LEN - WRITE), WRITE, b, 0, qp=qa, opcode=opcode)
                     out[k] += 1
                     posted += 1
             t1 = time.perf_counter()
@@ -52,10 +61,13 @@ async def main(mtu: int, total: int, native: bool, nqp: int, depth: int) -> None
             for wr_id, _ in a.completions():
                 out[wr_id] -= 1
                 done += 1
+            if send:
+                for wr_id, _ in b.completions():
+                    b.post_recv(wr_id, 0, WRITE)  # the receive that took a Send, posted again
         elapsed = time.perf_counter() - start
         stats = b.dev.dump_stats()
         datagrams = stats.get("link_datagrams_received", 0)
-        print(f"mtu {mtu} qps {nqp} native={b.dev.native is not None}: {n * WRITE / elapsed / 1e6:.1f} MB/s; "
+        print(f"{'send' if send else 'write'} mtu {mtu} qps {nqp} native={b.dev.native is not None}: {n * WRITE / elapsed / 1e6:.1f} MB/s; "
               f"per datagram sender {t_send / datagrams * 1e6:.2f} us, receiver {t_recv / datagrams * 1e6:.2f} us; "
               f"lanes took {a.dev.dump_stats().get('tx_native_datagrams', 0)} sent and "
               f"{stats.get('rx_native_datagrams', 0)} received of {datagrams}")
@@ -71,5 +83,6 @@ if __name__ == "__main__":
     p.add_argument("--qps", type=int, default=1)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--no-native", dest="native", action="store_false")
+    p.add_argument("--send", action="store_true", help="stream Sends instead of RDMA Writes")
     args = p.parse_args()
-    trio.run(main, args.mtu, args.bytes, args.native, args.qps, args.depth)
+    trio.run(main, args.mtu, args.bytes, args.native, args.qps, args.depth, args.send)

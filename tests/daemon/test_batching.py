@@ -79,23 +79,35 @@ class Host:
 
     def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int,
                    rkey: int | None = None, *, sges: list[tuple[int, int]] | None = None,
-                   opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE, qp: QueuePair | None = None) -> None:
+                   opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE, qp: QueuePair | None = None,
+                   imm: int = 0) -> None:
         """RDMA Write of ``length`` bytes from our MR at ``src_off`` to ``peer``'s at ``dst_off``
         (``rkey`` overrides the peer MR's STag; ``sges``, (offset, length) pairs
         in our MR, replace ``src_off`` and ``length``; ``opcode`` RDMA Read: from
-        the peer's MR into ours; ``qp``: another of our QPs than QP 1)."""
+        the peer's MR into ours; ``qp``: another of our QPs than QP 1; ``imm``:
+        the WQE's immediate data or, for a Send with Invalidate, the STag)."""
         ring = (qp or self.qp).sq
         ring.prod = ring.hdr.producer
         at = ring.next_slot_offset()
         sges = sges or [(src_off, length)]
         shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(opcode),
-                                    int(shm.SendFlags.IBV_SEND_SIGNALED), len(sges), 0,
+                                    int(shm.SendFlags.IBV_SEND_SIGNALED), len(sges), imm,
                                     peer.mr.stag if rkey is None else rkey, 0, 0, 0)
         for i, (off, n) in enumerate(sges):
             shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET + i * shm.SGE_SIZE, self.mr.addr + off, n,
                               self.mr.stag)
         ring.push()
         ring.publish()
+
+    def post_recv(self, wr_id: int, off: int, length: int) -> None:
+        """A receive of ``length`` bytes into our MR at ``off`` (QP 1)."""
+        rq = self.qp.recv_ring
+        rq.prod = rq.hdr.producer
+        at = rq.next_slot_offset()
+        shm.RECV_WQE_HEAD.pack_into(rq.buf, at, wr_id, 1)
+        shm.SGE.pack_into(rq.buf, at + shm.RECV_WQE_SG_OFFSET, self.mr.addr + off, length, self.mr.stag)
+        rq.push()
+        rq.publish()
 
     def completions(self) -> list[tuple[int, int]]:
         ring = self.cq.ring

@@ -8,7 +8,7 @@ expects the run to end before it, with nothing of it written.  That the lane
 and the Python path agree on whole streams is
 ``tests/daemon/test_native_lane.py``.
 
-The send lane's two builders (``udpv_tx_tagged_bodies``, ``udpv_tx_frame_run``)
+The send lane's two builders (``udpv_tx_bodies``, ``udpv_tx_frame_run``)
 must produce exactly the bytes of the Python encoders, for any field values;
 ``tests/daemon/test_native_send_lane.py`` checks whole streams.
 """
@@ -163,48 +163,66 @@ def test_crc32c_matches_the_crc32c_package() -> None:
 
 # -- the send lane: the same bytes as the Python encoders ---------------------
 
-@settings(max_examples=60, deadline=None)
-@given(opcode=st.sampled_from([Opcode.RDMA_WRITE, Opcode.RDMA_READ_RESPONSE]), k=st.integers(1, 6),
+_SEND_OPCODES = [Opcode.SEND, Opcode.SEND_SE, Opcode.SEND_INVALIDATE, Opcode.SEND_SE_INVALIDATE]
+
+
+@settings(max_examples=80, deadline=None)
+@given(opcode=st.sampled_from([Opcode.RDMA_WRITE, Opcode.RDMA_READ_RESPONSE, *_SEND_OPCODES]), k=st.integers(1, 6),
        max_data=st.integers(1, 3000), last_len=st.integers(0, 3000), ends=st.booleans(),
        dst=st.integers(0, segment.MAX_QPN), src=st.integers(0, segment.MAX_QPN), stag=st.integers(0, 2**32 - 1),
        to=st.integers(0, 2**64 - 1), seq=st.integers(0, 2**32 - 1), flag_at=st.integers(0, 8),
        fields=st.tuples(*[st.integers(0, 2**32 - 1)] * 4, st.integers(0, 0xFFFF), st.integers(0, 255)),
-       seed=st.integers(0, 2**32))
+       env_flags=st.integers(0, 1), seed=st.integers(0, 2**32))
 def test_the_send_lane_builds_what_the_python_encoders_build(
         opcode: int, k: int, max_data: int, last_len: int, ends: bool, dst: int, src: int, stag: int, to: int,
-        seq: int, flag_at: int, fields: tuple[int, ...], seed: int) -> None:
+        seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int) -> None:
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     last_len = min(last_len, max_data)
     source = random.Random(seed).randbytes((k - 1) * max_data + last_len)
+    tagged = opcode in (Opcode.RDMA_WRITE, Opcode.RDMA_READ_RESPONSE)
+    prefix = segment.TAGGED_PREFIX_LEN if tagged else segment.UNTAGGED_PREFIX_LEN
+    # A Send's: the STag it invalidates (0 for a plain Send), its MSN, its
+    # offset (a 32-bit MO), envelope flags on the last segment only.
+    inv = stag if opcode in rdmap.INVALIDATE_OPCODES else 0
+    msn, mo = seq, to & 0xFFFFFFF
+    flags = env_flags  # IMM_FOLLOWS, the one flag a Send's last segment carries
+
+    def header(buf: bytearray, last: bool, off: int) -> None:
+        if tagged:
+            segment.pack_tagged_into(buf, 0, dst, src, opcode, last, stag, off & (2**64 - 1))
+        else:
+            segment.pack_untagged_into(buf, 0, dst, src, opcode, last, msn, off, inv, flags if last else 0)
+
     # the Python path: one segment at a time (daemon/qp.py), then link.encode_fields per packet
     expected = []
     for i in range(k):
         n = max_data if i < k - 1 else last_len
-        body = bytearray(segment.TAGGED_PREFIX_LEN + n)
-        segment.pack_tagged_into(body, 0, dst, src, opcode, ends and i == k - 1, stag,
-                                 (to + i * max_data) & (2**64 - 1))
-        body[segment.TAGGED_PREFIX_LEN:] = source[i * max_data:i * max_data + n]
+        body = bytearray(prefix + n)
+        header(body, ends and i == k - 1, (to if tagged else mo) + i * max_data)
+        body[prefix:] = source[i * max_data:i * max_data + n]
         expected.append((bytes(body), n))
     ack, ts, echo, tag, rwnd, path_id = fields
     packets = [link.encode_fields(PacketType.DATA, link.LinkFlags.ACK_NOW if i == flag_at else 0, path_id, tag,
                                   (seq + i) & 0xFFFFFFFF, ack, ts, echo, rwnd, body) for i, (body, _) in enumerate(expected)]
-    # the lane: all bodies in one call, then all packets in one call
-    t = ffi.new("udpv_tx_tagged *")
-    t.w0, t.w1, t.stag, t.to = (1 << 24) | dst, src, stag, to
-    t.ctrl_more, t.rctl_more = rdmap.tagged_control(opcode, False)
-    t.ctrl_last, t.rctl_last = rdmap.tagged_control(opcode, True)
-    stride = segment.TAGGED_PREFIX_LEN + max_data
-    bodies = bytearray((k - 1) * stride + segment.TAGGED_PREFIX_LEN + last_len)
-    lib.udpv_tx_tagged_bodies(t, ffi.from_buffer("uint8_t[]", bodies), source, k, stride, last_len, ends)
-    assert [bytes(bodies[i * stride:i * stride + segment.TAGGED_PREFIX_LEN + n]) for i, (_, n) in
+    # the lane: headers packed once by the same encoders, all bodies in one
+    # call, then all packets in one call
+    t = ffi.new("udpv_tx_segments *")
+    header(ffi.buffer(t.more), False, 0)  # type: ignore[arg-type]
+    header(ffi.buffer(t.last), True, 0)  # type: ignore[arg-type]
+    t.prefix = prefix
+    t.off_at, t.off_len, t.off = (segment.TO_AT, 8, to) if tagged else (segment.MO_AT, 4, mo)
+    stride = prefix + max_data
+    bodies = bytearray((k - 1) * stride + prefix + last_len)
+    lib.udpv_tx_bodies(t, ffi.from_buffer("uint8_t[]", bodies), source, k, stride, last_len, ends)
+    assert [bytes(bodies[i * stride:i * stride + prefix + n]) for i, (_, n) in
             enumerate(expected)] == [b for b, _ in expected]
     f = ffi.new("udpv_tx_frame *")
     f.path_id, f.conn_tag, f.seq, f.ack, f.ts, f.echo, f.rwnd = path_id, tag, seq, ack, ts, echo, rwnd
     f.flag_at, f.flag = flag_at, link.LinkFlags.ACK_NOW
     out = bytearray(sum(map(len, packets)))
     assert lib.udpv_tx_frame_run(f, ffi.from_buffer("uint8_t[]", out), ffi.from_buffer("uint8_t[]", bodies), k,
-                                 stride, segment.TAGGED_PREFIX_LEN + last_len) == len(out)
+                                 stride, prefix + last_len) == len(out)
     assert bytes(out) == b"".join(packets)
     # and the receiving side's parser reads them back
     for p in packets:
