@@ -24,6 +24,7 @@ from ..wire import ctl
 
 DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
 DEFAULT_MTU = 1472  #: UDP payload of a 1500-byte Ethernet MTU
+DEFAULT_NAME = "uv0"
 #: UDP payload bytes a datagram may carry: IPv4's minimum MTU (576) and its
 #: largest datagram (65,535) less the IP and UDP headers.
 MIN_MTU, MAX_MTU = 576 - 28, 65535 - 28
@@ -38,7 +39,6 @@ def check_mtu(mtu: int) -> int:
     if not MIN_MTU <= int(mtu) <= MAX_MTU:
         raise ValueError(f"mtu {mtu} out of range {MIN_MTU}..{MAX_MTU}")
     return int(mtu)
-DEFAULT_NAME = "uv0"
 
 
 runtime_dir = ctl.runtime_dir

@@ -274,7 +274,7 @@ class PeerLink:
         segment.pack_tagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, stag, 0)
         t = dev.tx_segments
         t.prefix, t.off_at, t.off_len, t.off = segment.TAGGED_PREFIX_LEN, segment.TO_AT, 8, to
-        return self._send_segments(src, start, count, last_len, ends, segment.TAGGED_PREFIX_LEN)
+        return self._send_segments(src, start, count, last_len, ends)
 
     def send_untagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, msn: int, mo: int, inv_stag: int,
                           flags: int, src: memoryview, start: int, count: int, last_len: int, ends: bool) -> int:
@@ -286,12 +286,13 @@ class PeerLink:
         segment.pack_untagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, msn, 0, inv_stag, flags)
         t = dev.tx_segments
         t.prefix, t.off_at, t.off_len, t.off = segment.UNTAGGED_PREFIX_LEN, segment.MO_AT, 4, mo
-        return self._send_segments(src, start, count, last_len, ends, segment.UNTAGGED_PREFIX_LEN)
+        return self._send_segments(src, start, count, last_len, ends)
 
-    def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool,
-                       prefix: int) -> int:
+    def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool) -> int:
+        """The bodies of the segments whose headers ``dev.tx_segments`` holds, queued on the link."""
         dev = self.device
         ffi = dev.native.ffi
+        prefix = dev.tx_segments.prefix
         # every segment's link body is the same size: a longer header, less payload
         stride = segment.TAGGED_PREFIX_LEN + self.max_data
         buf = bytearray((count - 1) * stride + prefix + last_len)

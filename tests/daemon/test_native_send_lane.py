@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -46,7 +47,7 @@ def _spare_stag(host: Host) -> int:
 
 
 def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], loss: float,
-              mtu: int = 1472, sends: list[list[tuple[int, int]]] = ()) -> tuple[Host, Host, Host]:  # type: ignore[assignment]
+              mtu: int = 1472, sends: Sequence[list[tuple[int, int]]] = ()) -> tuple[Host, Host, Host]:
     """``fast`` and ``slow`` each Write ``writes`` (SGE lists: (offset, length)
     in their region) to ``peer``, then Send ``sends`` (at most the 4
     receives a Host's QP holds, posted in advance), and answer its Reads of

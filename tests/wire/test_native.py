@@ -185,7 +185,7 @@ def test_the_send_lane_builds_what_the_python_encoders_build(
     # A Send's: the STag it invalidates (0 for a plain Send), its MSN, its
     # offset (a 32-bit MO), envelope flags on the last segment only.
     inv = stag if opcode in rdmap.INVALIDATE_OPCODES else 0
-    msn, mo = seq, to & 0xFFFFFFF
+    msn, mo = seq, to & 0xFFFFFFF  # below 2**28: a run's offsets stay within MO's 32 bits
     flags = env_flags  # IMM_FOLLOWS, the one flag a Send's last segment carries
 
     def header(buf: bytearray, last: bool, off: int) -> None:
