@@ -97,7 +97,14 @@ _RX_BYTE_BUDGET = 1 << 20
 # The receive lane's control bytes: (DDP control of a segment that is not
 # the last, RDMAP control[, DDP control of the last])
 _WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
-_READ_RESPONSE_CTRL = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)
+# The lane never takes a Read Response's or a Send's last segment: the
+# control byte of the others stands for both (any byte that matches no
+# segment would do, but 0 is a DDP control byte the decoder refuses and the
+# lane would not).
+_READ_RESPONSE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False),
+                       rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)[0])
+_SEND_CTRL = {int(op): (ctrl, rctl, ctrl) for (op, last), (ctrl, rctl, _) in rdmap.UNTAGGED_CONTROL.items()
+              if not last and op in (Opcode.SEND, Opcode.SEND_SE, Opcode.SEND_INVALIDATE, Opcode.SEND_SE_INVALIDATE)}
 #: requests the daemon answers by itself: no application waits on them, so
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
@@ -243,10 +250,11 @@ class PeerLink:
         self.qps: set[QueuePair] = set()
         self.up = True  # messages may be queued before the handshake ends
         self.failed_reason = ""
-        # (QP, STag, is a Read Response) of the last RDMA Write or Read
-        # Response segment received: what the compiled receive lane may
-        # place next (revalidated per call)
-        self.rx_hint: tuple[QueuePair, int, bool] | None = None
+        # (QP, STag, RDMAP opcode) of the last RDMA Write or Read Response
+        # segment received, or of a Send's segment that was not its last
+        # (the STag: its Invalidate STag): what the compiled receive lane
+        # may place next (revalidated per call)
+        self.rx_hint: tuple[QueuePair, int, int] | None = None
         # (link message number, QP): an RDMA Write's last segment, queued in
         # number order; the QP may complete once the link acknowledges it
         self.ack_waiters: collections.deque[tuple[int, QueuePair]] = collections.deque()
@@ -741,14 +749,18 @@ class Device:
         its length) datagrams of ``seg`` bytes coalesced by GRO.
 
         While the peer streams an RDMA Write or Read Responses, runs of their
-        segments go to the compiled lane (``_place_run``).  The datagrams it does not take go
+        segments go to the compiled lane (``_place_run``), and so do the
+        middle segments of a Send.  The datagrams it does not take go
         through the link one by one, and whatever they deliver is dispatched
         at once: a later segment must not be placed before an earlier
         message has had its effect (a Send with Invalidate, say).
         """
         link = pl.link
         n = len(data)
-        if pl.rx_hint is None or n == 0:
+        # Without a hint, a GRO buffer still goes datagram by datagram where
+        # the lane exists: the Python path's first segment of a Send (or of
+        # a Read's responses) sets the hint for the rest of the buffer.
+        if n == 0 or pl.rx_hint is None and (seg >= n or self.native is None):
             if seg >= n:
                 link.datagram_received(data, now, arrived)
             else:
@@ -769,22 +781,25 @@ class Device:
                 self._dispatch(pl, msg)
 
     def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float) -> int:
-        """Place the run of RDMA Write (or Read Response) segments at
-        ``data[off:]`` that the compiled lane accepts; return the bytes it
+        """Place the run of RDMA Write (or Read Response, or Send) segments
+        at ``data[off:]`` that the compiled lane accepts; return the bytes it
         consumed (0: none).
 
         What the lane does not check, checked here once per call: the
         hinted QP still receives on this link; for a Write, the STag still
         names a region in its PD with remote write access; for a Read
         Response, it is the sink STag of the Read at the ORRQ head, whose
-        sink is one SGE.
+        sink is one SGE; for a Send, a receive of one SGE is under way and
+        no RNR NACK or Immediate Data is pending (the MSN and the message
+        offset the lane checks against the QP's).
         """
-        qp, stag, read = pl.rx_hint  # type: ignore[misc]
+        qp, stag, op = pl.rx_hint  # type: ignore[misc]
         if qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
             pl.rx_hint = None
             return 0
         r = self._rx_run
-        if read:
+        r.untagged = 0
+        if op == _OP_READ_RESPONSE:
             # Read Responses into the ORRQ head's sink, in order, and not its
             # last segment: the Python path completes the Read.
             rd = qp.orrq[0] if qp.orrq else None
@@ -793,8 +808,17 @@ class Device:
                 return 0
             view, start, _ = rd.gather.pieces[0]
             r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
-            r.ctrl_more, r.rctl = _READ_RESPONSE_CTRL
-            r.ctrl_last = 0  # matches no tagged segment (its T bit is set)
+            r.ctrl_more, r.rctl, r.ctrl_last = _READ_RESPONSE_CTRL
+        elif op != _OP_WRITE:
+            recv = qp.rx_recv
+            gather = None if recv is None or qp.rx_imm_pending or qp.rx_rnr else recv[1]
+            if gather is None or len(gather.pieces) != 1:
+                pl.rx_hint = None
+                return 0
+            view, start, length = gather.pieces[0]
+            r.base, r.length, r.sequential, r.next_to = 0, length, 1, qp.rx_placed
+            r.untagged, r.msn = 1, qp.rx_msn
+            r.ctrl_more, r.rctl, r.ctrl_last = _SEND_CTRL[op]
         else:
             mr = self.stags.lookup(stag)
             if mr is None or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE:
@@ -828,10 +852,12 @@ class Device:
             return 0
         link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
                                r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
-        if read:
+        if op == _OP_WRITE:
+            qp.rx_write_bytes += r.bytes
+        elif op == _OP_READ_RESPONSE:
             rd.placed += r.bytes
         else:
-            qp.rx_write_bytes += r.bytes
+            qp.rx_placed += r.bytes
         self._delivered = True
         self.stats["rx_native_datagrams"] += k
         used = k * seg
@@ -1016,8 +1042,11 @@ class Device:
                     op = hdr.opcode
                     if op not in _ANSWERED_BY_DAEMON:
                         self._delivered = True
-                        if (op == _OP_WRITE or op == _OP_READ_RESPONSE) and self.native is not None:
-                            pl.rx_hint = (qp, hdr.stag, op == _OP_READ_RESPONSE)
+                        if self.native is not None:
+                            if op == _OP_WRITE or op == _OP_READ_RESPONSE:
+                                pl.rx_hint = (qp, hdr.stag, op)
+                            elif op in _SEND_CTRL and not hdr.last and qp.rx_recv is not None:
+                                pl.rx_hint = (qp, hdr.inv_stag, op)
                 else:
                     qp.on_flow(payload)  # what it completes, the completion step reports
             elif kind == Kind.CM and self.cm is not None:

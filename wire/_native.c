@@ -1,10 +1,10 @@
-/* The compiled lanes for tagged segments (see wire/native.py): the Write
- * receive lane (also Read Responses, in sequential mode), and the send
- * lane's body builder and framer further down.
+/* The compiled lanes for DDP segments (see wire/native.py): the receive
+ * lane (RDMA Writes; Read Responses and the middle of Sends, in sequential
+ * mode), and the send lane's body builder and framer further down.
  *
  * The byte layouts here are the ones declared in wire/link.py (link header,
  * 28 B + CRC32c trailer), wire/envelope.py (8 B) and wire/rdmap.py (tagged
- * DDP header, 14 B); tests/wire/test_native.py checks that a run ends at
+ * DDP header, 14 B; untagged, 18 B); tests/wire/test_native.py checks that a run ends at
  * each field this code must refuse, and tests/daemon/test_native_lane.py
  * that a daemon with this lane and one without end every stream alike.
  * Anything it does not recognise ends the run: the Python path then handles
@@ -134,7 +134,8 @@ static inline uint64_t be64(const uint8_t *p) { return (uint64_t)be32(p) << 32 |
 enum {
     LINK_HEADER_LEN = 28, /* wire/link.py HEADER_LEN */
     CRC_LEN = 4,
-    TAGGED_PREFIX_LEN = 22, /* envelope 8 + tagged DDP header 14 (wire/segment.py) */
+    TAGGED_PREFIX_LEN = 22,   /* envelope 8 + tagged DDP header 14 (wire/segment.py) */
+    UNTAGGED_PREFIX_LEN = 26, /* envelope 8 + untagged DDP header 18 */
     LINK_VERSION = 1,
     PTYPE_DATA = 1,
 };
@@ -146,14 +147,16 @@ typedef struct {
     uint32_t max_count; /* room in the receive window, packets */
     /* the one QP and region this run may write */
     uint32_t w0, w1;     /* envelope words: kind DDP | dst_qpn, flags 0 | src_qpn */
-    uint8_t ctrl_more;   /* DDP control byte of a Write segment that is not the last */
-    uint8_t ctrl_last;   /* ... of the last one */
-    uint8_t rctl;        /* RDMAP control byte of an RDMA Write */
-    uint32_t stag;
+    uint8_t ctrl_more;   /* DDP control byte of a segment that is not the message's last */
+    uint8_t ctrl_last;   /* ... of the last one (ctrl_more again where the last is not taken) */
+    uint8_t rctl;        /* RDMAP control byte: the message's opcode */
+    uint32_t stag;       /* the STag; of a Send, its Invalidate STag (0 if none) */
     uint64_t base;       /* tagged offset of the region's byte 0 */
     uint64_t length;     /* the region's length */
     uint64_t next_to;    /* if `sequential`: the tagged offset the next segment must start at */
-    uint32_t sequential; /* Read Responses fill their sink in order (as daemon/qp.py _on_read_response requires) */
+    uint32_t sequential; /* Read Responses and Sends fill their buffer in order (daemon/qp.py _on_read_response, _on_send) */
+    uint32_t untagged;   /* Send segments: untagged header, queue 0, MSN `msn`, the MO taken as the offset */
+    uint32_t msn;
     /* the run: the first packet's link fields, the last one's, what was placed */
     uint32_t first_ack, first_ts, first_echo, last_ts;
     uint32_t first_rwnd, last_rwnd;
@@ -164,13 +167,14 @@ typedef struct {
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem) {
     size_t k = 0, off = 0;
     uint32_t seq = r->seq;
+    size_t prefix = r->untagged ? UNTAGGED_PREFIX_LEN : TAGGED_PREFIX_LEN;
     r->bytes = 0;
     r->flags_or = 0;
     if (seg == 0) return 0;
     while (off < len && k < r->max_count) {
         size_t n = len - off < seg ? len - off : seg;
         const uint8_t *p = buf + off;
-        if (n < LINK_HEADER_LEN + TAGGED_PREFIX_LEN + CRC_LEN) break;
+        if (n < LINK_HEADER_LEN + prefix + CRC_LEN) break;
         if (udpv_crc32c(0, p, n - CRC_LEN) != be32(p + n - CRC_LEN)) break;
         /* version, DATA, no SACK blocks, reserved byte zero */
         if (p[0] != LINK_VERSION || p[1] != PTYPE_DATA || p[26] != 0 || p[27] != 0) break;
@@ -183,13 +187,19 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         if (be32(e) != r->w0 || be32(e + 4) != r->w1) break;
         if (e[9] != r->rctl || (e[8] != r->ctrl_more && e[8] != r->ctrl_last)) break;
         if (be32(e + 10) != r->stag) break;
-        uint64_t to = be64(e + 14);
-        size_t plen = n - CRC_LEN - LINK_HEADER_LEN - TAGGED_PREFIX_LEN;
+        uint64_t to;
+        if (r->untagged) {
+            if (be32(e + 14) != 0 || be32(e + 18) != r->msn) break; /* QN, MSN */
+            to = be32(e + 22);                                       /* MO */
+        } else {
+            to = be64(e + 14); /* TO */
+        }
+        size_t plen = n - CRC_LEN - LINK_HEADER_LEN - prefix;
         if (to < r->base) break;
         if (r->sequential && to != r->next_to) break;
         uint64_t o = to - r->base;
         if (o > r->length || plen > r->length - o) break;
-        memcpy(mem + o, e + TAGGED_PREFIX_LEN, plen);
+        memcpy(mem + o, e + prefix, plen);
         if (k == 0) {
             r->first_ack = ack;
             r->first_ts = be32(p + 16);

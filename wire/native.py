@@ -1,4 +1,4 @@
-"""The compiled lanes for tagged segments (cffi API mode): receive and send.
+"""The compiled lanes for DDP segments (cffi API mode): receive and send.
 
 Theory of operation
 -------------------
@@ -17,17 +17,22 @@ link then applies the run's bookkeeping in one step
 both paths leave the same bytes in memory and the same link state.  Read
 Responses take the same lane into the sink of the Read at the ORRQ head, with
 ``sequential`` set (each segment must start where the last ended) and never
-their last segment (the Python path completes the Read).
+their last segment (the Python path completes the Read).  So do a Send's
+middle segments (``untagged``: queue 0, the MSN of the message under way, the
+message offset sequential) into the one-SGE receive its first segment took;
+the first (which takes the receive) and the last (completion, Invalidate,
+Immediate Data) stay in Python.
 
 The send lane is the mirror image, in two steps that keep the link's
-decisions where they are.  ``udpv_tx_tagged_bodies`` builds the bodies of a
-run of tagged segments (an RDMA Write's within one SGE, or a Read
-Response's) straight from the registered memory into one buffer, queued by
-``Link.send_run``; ``udpv_tx_frame_run`` puts link headers and CRCs around
-those the link lets leave (``Link._frame_run``).  Both produce exactly the
-bytes of the Python encoders (``tests/wire/test_native.py``), and a device
-with the lanes sends what a device without them sends
-(``tests/daemon/test_native_send_lane.py``).
+decisions where they are.  ``udpv_tx_bodies`` builds the bodies of a run of
+one message's segments (an RDMA Write's, a Read Response's or a Send's,
+within one SGE) straight from the registered memory into one buffer, from
+the two headers Python packed (``wire/segment.py``), stamping each
+segment's offset; ``Link.send_run`` queues them and ``udpv_tx_frame_run``
+puts link headers and CRCs around those the link lets leave
+(``Link._frame_run``).  Both produce exactly the bytes of the Python
+encoders (``tests/wire/test_native.py``), and a device with the lanes sends
+what a device without them sends (``tests/daemon/test_native_send_lane.py``).
 
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
 idle QPs have new WQEs, comparing producer and consumer index in each SQ's
@@ -72,6 +77,8 @@ typedef struct {
     uint64_t length;
     uint64_t next_to;
     uint32_t sequential;
+    uint32_t untagged;
+    uint32_t msn;
     uint32_t first_ack, first_ts, first_echo, last_ts;
     uint32_t first_rwnd, last_rwnd;
     uint32_t first_flags, flags_or;

@@ -52,6 +52,7 @@ class Host:
         self.qp = QueuePair(self.dev, 1, self.sess, pd, self.cq, self.cq, dict(self.QP_CAPS), False)
         self.dev.qps[1] = self.qp
         self.more_qps: list[QueuePair] = []  # qp_pairs'
+        self._spares: list[tables.MemoryRegion] = []
 
     def close(self) -> None:
         """Release the device's sockets and the rings' and region's mappings."""
@@ -59,6 +60,9 @@ class Host:
         self.dev.stags.invalidate(self.mr.stag)
         self.mr.close()
         os.close(self._mr_fd)
+        for mr in self._spares:
+            self.dev.stags.invalidate(mr.stag)
+            mr.close()
         for qp in (self.qp, *self.more_qps):
             qp.close()
         self.cq.close()
@@ -76,6 +80,15 @@ class Host:
         attrs.update(qp_state=S.IBV_QPS_RTS, max_rd_atomic=1)
         modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_SQ_PSN | M.IBV_QP_TIMEOUT | M.IBV_QP_RETRY_CNT | M.IBV_QP_RNR_RETRY
                   | M.IBV_QP_MAX_QP_RD_ATOMIC, attrs)
+
+    def spare_stag(self) -> int:
+        """Register another region (a page, local access) in our PD, for a Send to invalidate; return its STag."""
+        fd, mm = shm.new_segment(4096, "spare")
+        os.close(fd)
+        mr = tables.MemoryRegion(2 + len(self._spares), self.mr.pd, A.IBV_ACCESS_LOCAL_WRITE, 0x900000, 4096, mm)
+        self.dev.stags.register(mr)
+        self._spares.append(mr)
+        return mr.stag
 
     def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int,
                    rkey: int | None = None, *, sges: list[tuple[int, int]] | None = None,

@@ -4,7 +4,8 @@ Two receiving devices built from the same seed, one with the lane and one
 without, get the same datagrams from one sender: in order, lost, duplicated,
 swapped, corrupted, coalesced into GRO buffers or not, for Writes that place
 and Writes that must end in a Terminate (unknown STag, past the region's
-end).  After every step they must answer the sender with the same bytes, and
+end), Read Responses, and Sends (plain, with Immediate Data, with
+Invalidate, longer than their receive, or waiting out an RNR NACK).  After every step they must answer the sender with the same bytes, and
 at the end hold the same memory, counters and QP state.  The clock is a
 number advanced by hand and the datagrams are carried by the test, so
 nothing depends on scheduling.
@@ -72,7 +73,8 @@ def _forge_read_response_to(out: list[bytes], delta: int | str) -> tuple[list[by
     """Move the tagged offset of the tenth Read Response segment in ``out`` by
     ``delta`` (a peer that places out of order or past the sink), or with
     ``delta == "overrun"`` make the first Read's last segment longer and not
-    the last; the CRC stays valid.  Returns the datagrams and what is left to
+    the last, or with ``"ctrl zero"`` give the tenth a DDP control byte of 0
+    (a DDP version the decoder refuses); the CRC stays valid.  Returns the datagrams and what is left to
     forge (0: done)."""
     forged = []
     for d in map(bytes, out):
@@ -86,6 +88,9 @@ def _forge_read_response_to(out: list[bytes], delta: int | str) -> tuple[list[by
                     b[8] = _MORE_CTRL
                     b += bytes(100)  # in order, but past the end of the sink
                     delta = 0
+            elif _seen_responses[0] == 10 and delta == "ctrl zero":
+                b[8] = 0
+                delta = 0
             elif _seen_responses[0] == 10:
                 b[14:22] = ((int.from_bytes(b[14:22], "big") + delta) % 2**64).to_bytes(8, "big")
                 delta = 0
@@ -130,16 +135,18 @@ def _link_state(pl: object) -> tuple[object, ...]:
 @contextlib.contextmanager
 def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: int = 0,
          gro: float = 0.7, reply_len: int = 30_000, reads: int = 0,
-         forge_to: int | str = 0) -> Iterator[tuple[Host, Host]]:
+         forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None) -> Iterator[tuple[Host, Host]]:
     """A writes ``writes`` to both receivers, which write ``replies`` Writes back (so
     the ACK field of A's datagrams moves while A's own Writes stream) and post
     ``reads`` RDMA Reads of A's memory (whose Read Responses the lane places
     too; ``forge_to`` moves the tagged offset of the tenth one by that much);
-    yields A and the receiver with the lane."""
+    then A Sends ``sends`` (see ``_post_sends``); yields A and the receiver
+    with the lane."""
     hosts = [Host("127.0.0.2", gso=False), Host("127.0.0.3", gso=False, native=True),
              Host("127.0.0.3", gso=False, native=False)]  # the same seed: same tags, ISNs, STags
     try:
-        yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len, reads, forge_to)
+        yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len, reads, forge_to,
+                        sends or [])
     finally:
         for h in hosts:
             h.close()
@@ -160,9 +167,45 @@ def _twins(peer: Host, fast: Host, slow: Host) -> tuple[list[float], Any, Any, A
             slow.dev.links[peer_addr])
 
 
+#: where the receivers' receives start, one every _RECV_STRIDE bytes
+_RECV_AT, _RECV_STRIDE = MR_LEN // 2, MR_LEN // 8
+_SEND_KIND = {"ok": WrOpcode.IBV_WR_SEND, "imm": WrOpcode.IBV_WR_SEND_WITH_IMM, "inv": WrOpcode.IBV_WR_SEND_WITH_INV,
+              "too_long": WrOpcode.IBV_WR_SEND, "late": WrOpcode.IBV_WR_SEND}
+
+
+def _send_source(i: int) -> int:
+    return 4096 * i + 7
+
+
+def _post_sends(rng: random.Random, a: Host, receivers: tuple[Host, Host], first_wr_id: int,
+                sends: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """A posts a Send per ``(length, kind)`` in ``sends`` (the i-th from ``_send_source(i)``): kind "ok", "imm"
+    (with Immediate Data), "inv" (invalidating a spare region of the
+    receiver's), "too_long" (the receive holds half of it) or "late" (its
+    receive, and all later ones, come after the sender's first try, which is
+    NACKed).  The receivers post the receives that are not late; returns
+    those that are, as ``(offset, length)``, for the caller to post."""
+    late: list[tuple[int, int]] = []
+    for i, (length, kind) in enumerate(sends):
+        assert length < _RECV_STRIDE and i < Host.QP_CAPS["max_recv_wr"]
+        at, room = _RECV_AT + i * _RECV_STRIDE, length // 2 if kind == "too_long" else length
+        imm = 0x5EED
+        if kind == "inv":
+            stags = {h.spare_stag() for h in receivers}
+            assert len(stags) == 1  # twins
+            imm = stags.pop()
+        if kind == "late" or late:
+            late.append((at, room))
+        else:
+            for h in receivers:
+                h.post_recv(300 + i, at, room)
+        a.post_write(first_wr_id + i, _send_source(i), length, receivers[0], 0, opcode=_SEND_KIND[kind], imm=imm)
+    return late
+
+
 def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[tuple[int, int, str]],
               loss: float, replies: int, gro: float, reply_len: int, reads: int = 0,
-              forge_to: int | str = 0) -> tuple[Host, Host]:
+              forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None) -> tuple[Host, Host]:
     assert fast.dev.native is not None and slow.dev.native is None
     clock, pa, pf, ps = _twins(a, fast, slow)
     a.mr.view[:] = rng.randbytes(MR_LEN)
@@ -181,9 +224,16 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         if kind == "past_end":
             dst = MR_LEN - length // 2 - 1
         a.post_write(i, 0, length, fast, dst, rkey=rkey)
+    sends = sends or []
+    late = _post_sends(rng, a, (fast, slow), len(writes), sends)
+    replies += len(sends)  # each receive completes, well or not
     done: list[tuple[int, int]] = []
     held: list[bytes] = []
-    for _ in range(4000):
+    for step in range(4000):
+        if step == 100:
+            for at, room in late:
+                for h in (fast, slow):
+                    h.post_recv(400 + at, at, room)
         clock[0] += _STEP_S
         now = clock[0]
         held += _turn(a, pa, now)
@@ -200,16 +250,17 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         assert _link_state(pf) == _link_state(ps)
         _receive(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
         done += a.completions()
-        replied = len(fast.completions())
-        assert replied == len(slow.completions())
-        replies -= replied
-        if len(done) == len(writes) and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
+        replied = fast.completions()
+        assert replied == slow.completions()
+        replies -= len(replied)
+        if len(done) == len(writes) + len(sends) and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
             break
     # both receivers ran the same datagrams to the same end
     assert bytes(fast.mr.view) == bytes(slow.mr.view)
     assert pf.link.stats.as_dict() == ps.link.stats.as_dict()
     assert pf.link.rcv_nxt == ps.link.rcv_nxt
     assert fast.qp.state == slow.qp.state and fast.qp.rx_write_bytes == slow.qp.rx_write_bytes
+    assert (fast.qp.rx_msn, fast.qp.rx_placed) == (slow.qp.rx_msn, slow.qp.rx_placed)
     lane = fast.dev.stats.pop("rx_native_datagrams", 0)
     assert +fast.dev.stats == +slow.dev.stats
     fast.dev.stats["rx_native_datagrams"] = lane
@@ -220,19 +271,23 @@ _WRITE = st.tuples(st.integers(0, 40_000), st.integers(0, MR_LEN - 40_000),
                    st.sampled_from(["ok"] * 8 + ["bad_stag", "past_end"]))
 
 
+_SEND = st.tuples(st.integers(1, 60_000), st.sampled_from(["ok", "ok", "imm", "inv", "too_long", "late"]))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), writes=st.lists(_WRITE, min_size=1, max_size=5),
-       loss=st.sampled_from([0.0, 0.02, 0.1]), replies=st.integers(0, 3), reads=st.integers(0, 2))
+       loss=st.sampled_from([0.0, 0.02, 0.1]), replies=st.integers(0, 3), reads=st.integers(0, 2),
+       sends=st.lists(_SEND, max_size=3))
 def test_the_lane_and_the_python_path_agree(seed: int, writes: list[tuple[int, int, str]], loss: float,
-                                            replies: int, reads: int) -> None:
-    with _run(seed, writes, loss, replies, reads=reads):
+                                            replies: int, reads: int, sends: list[tuple[int, str]]) -> None:
+    with _run(seed, writes, loss, replies, reads=reads, sends=sends):
         pass
 
 
-@pytest.mark.parametrize("delta", [1, -1448, 1 << 20, "overrun"])
+@pytest.mark.parametrize("delta", [1, -1448, 1 << 20, "overrun", "ctrl zero"])
 def test_a_read_response_out_of_place_ends_alike(delta: int | str) -> None:
     # in the middle of a run the lane holds: a gap, a step back, past the sink,
-    # in order but longer than the sink
+    # in order but longer than the sink, a segment the decoder refuses
     _seen_responses[0] = 0
     with _run(17, [(1, 0, "ok")], 0.0, reads=1, reply_len=200_000, forge_to=delta) as (_, fast):
         assert fast.dev.stats["terminate_sent"] == 1 and fast.qp.state == S.IBV_QPS_ERR
@@ -272,6 +327,31 @@ def test_a_clean_stream_goes_through_the_lane_and_arrives_byte_exact() -> None:
         assert bytes(view[500_000:570_000]) == bytes(a.mr.view[:70_000])
         assert view[0] == a.mr.view[0]
 
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_sends_go_through_the_lane_and_arrive_byte_exact(loss: float) -> None:
+    sends = [(100_000, "ok"), (50_000, "imm"), (70_001, "inv"), (1, "ok")]
+    with _run(19, [(1, 0, "ok")], loss, sends=sends) as (a, fast):
+        assert a.qp.state == S.IBV_QPS_RTS and fast.dev.stats["stag_remote_invalidated"] == 1
+        # all but each Send's first and last segments, and what loss sends the Python way
+        assert fast.dev.stats["rx_native_datagrams"] > (0.5 if loss else 0.9) * fast.dev.dump_stats()[
+            "link_data_received"]
+        for i, (length, _) in enumerate(sends):
+            at, src = _RECV_AT + i * _RECV_STRIDE, _send_source(i)
+            assert bytes(fast.mr.view[at:at + length]) == bytes(a.mr.view[src:src + length])
+
+
+@pytest.mark.parametrize("kinds", [("late", "ok"), ("ok", "too_long")])
+def test_a_send_nacked_or_too_long_ends_alike(kinds: tuple[str, str]) -> None:
+    # the lane holds the first Send's receive when the second one's first
+    # segment is NACKed for want of a receive, or overruns its receive
+    with _run(23, [(1, 0, "ok")], 0.0, sends=[(40_000, k) for k in kinds]) as (a, fast):
+        if kinds[0] == "late":
+            assert fast.dev.stats["rnr_nack_sent"] >= 1 and a.qp.state == S.IBV_QPS_RTS
+        else:
+            assert fast.dev.stats["terminate_sent"] == 1 and fast.qp.state == S.IBV_QPS_ERR
+        assert fast.dev.stats["rx_native_datagrams"] > 20
 
 
 def test_the_daemon_flag_turns_the_lane_off() -> None:

@@ -13,16 +13,14 @@ a number advanced by hand, so nothing depends on scheduling.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from udpverbs.daemon import tables
-from udpverbs.wire import native, shm
-from udpverbs.wire.shm import AccessFlags as A, QPState as S, WcStatus as W, WrOpcode
+from udpverbs.wire import native
+from udpverbs.wire.shm import QPState as S, WcStatus as W, WrOpcode
 
 from .test_batching import MR_LEN, Host
 from .test_native_lane import _link_state, _mangle, _receive, _turn, _twins
@@ -35,15 +33,6 @@ _SEND = WrOpcode.IBV_WR_SEND
 #: where the peer's receives start in its region (above the Reads' sinks)
 _RECV_AT = 3 * MR_LEN // 4
 _SEND_KINDS = (WrOpcode.IBV_WR_SEND, WrOpcode.IBV_WR_SEND_WITH_IMM, WrOpcode.IBV_WR_SEND_WITH_INV)
-
-
-def _spare_stag(host: Host) -> int:
-    """Register a one-page region in ``host``'s PD for a Send to invalidate; return its STag."""
-    fd, mm = shm.new_segment(4096, "spare")
-    os.close(fd)
-    mr = tables.MemoryRegion(2, host.mr.pd, A.IBV_ACCESS_LOCAL_WRITE, 0x900000, 4096, mm)
-    host.dev.stags.register(mr)
-    return mr.stag
 
 
 def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], loss: float,
@@ -68,7 +57,7 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
         # a plain Send, one with Immediate Data (the envelope flag on its
         # last segment), one that invalidates an STag (in every segment)
         opcode = _SEND_KINDS[i % len(_SEND_KINDS)]
-        imm = _spare_stag(peer) if opcode == WrOpcode.IBV_WR_SEND_WITH_INV else 0x5EED
+        imm = peer.spare_stag() if opcode == WrOpcode.IBV_WR_SEND_WITH_INV else 0x5EED
         total = sum(n for _, n in sges)
         peer.post_recv(200 + i, at, total)
         for h in (fast, slow):

@@ -1,7 +1,9 @@
-"""The compiled Write lane's contract, datagram by datagram.
+"""The compiled receive lane's contract, datagram by datagram.
 
-``udpv_rx_write_run`` places a run of in-order RDMA Write segments and stops
-at the first datagram that is not one (which the Python path then handles).
+``udpv_rx_write_run`` places a run of in-order RDMA Write segments (or, in
+sequential mode, Read Response segments, or untagged, a Send's middle
+segments) and stops at the first datagram that is not one (which the Python
+path then handles).
 Datagrams here are built with the shipped encoders (``link.encode_fields``,
 ``segment.pack_tagged_into``); each case spoils one field of the third and
 expects the run to end before it, with nothing of it written.  That the lane
@@ -21,6 +23,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from udpverbs.daemon import device
 from udpverbs.wire import link, native, rdmap, segment
 from udpverbs.wire.link import PacketType
 from udpverbs.wire.rdmap import Opcode
@@ -46,16 +49,24 @@ def _datagram(i: int, *, ptype: int = PacketType.DATA, tag: int = TAG, seq_off: 
 
 
 def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
-         next_to: int | None = None) -> tuple[int, object, bytearray]:
-    """Run the lane over ``datagrams``; with ``next_to``, in sequential mode from that offset."""
+         next_to: int | None = None, send: bool = False, length: int = LENGTH) -> tuple[int, object, bytearray]:
+    """Run the lane over ``datagrams``; with ``next_to``, in sequential mode
+    from that offset; with ``send``, untagged: the middle of a plain Send of
+    MSN ``MSN`` into a receive of ``length`` bytes (as daemon/device.py sets it up)."""
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     r = ffi.new("udpv_rx_run *")
     r.conn_tag, r.seq, r.max_count = TAG, ISN, max_count
     r.w0, r.w1 = (1 << 24) | QPN, PEER_QPN
-    r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
-    r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
-    r.stag, r.base, r.length = STAG, BASE, LENGTH
+    if send:
+        r.ctrl_more, r.rctl, r.ctrl_last = device._SEND_CTRL[Opcode.SEND]
+        r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
+        next_to = next_to or 0
+    else:
+        r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
+        r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
+        r.stag, r.base = STAG, BASE
+    r.length = length
     if next_to is not None:
         r.sequential, r.next_to = 1, next_to
     mem = bytearray(LENGTH)
@@ -148,6 +159,66 @@ def test_in_sequential_mode_the_run_stops_at_a_gap_or_a_step_back() -> None:
         datagrams[2] = _datagram(2, to=to)
         k, _, mem = _run(datagrams, next_to=BASE)
         assert k == 2 and not any(mem[2 * PAYLOAD:])
+
+
+# -- the middle of a Send: untagged, queue 0, one MSN, the MO in order ---------
+
+MSN = 3
+
+
+def _send_datagram(i: int, *, opcode: int = Opcode.SEND, msn: int = MSN, mo: int | None = None, last: bool = False,
+                   flags: int = 0) -> bytes:
+    body = bytearray(segment.UNTAGGED_PREFIX_LEN)
+    segment.pack_untagged_into(body, 0, QPN, PEER_QPN, opcode, last, msn, i * PAYLOAD if mo is None else mo, 0, flags)
+    body += bytes([i]) * PAYLOAD
+    return link.encode_fields(PacketType.DATA, 0, 0, TAG, ISN + i, ACK, 1000 + i, 500 + i, 200 - i, body)
+
+
+def _respoil(d: bytes, change: Callable[[bytearray], None]) -> bytes:
+    """``d`` with ``change`` applied to its link body, the CRC still valid."""
+    h, body = link.decode_untrusted(d)
+    b = bytearray(body)
+    change(b)
+    return link.encode_fields(h.ptype, h.flags, h.path_id, h.conn_tag, h.seq, h.ack, h.ts_us, h.ts_echo_us,
+                              h.rwnd, b, h.sack)
+
+
+SEND_SPOILERS: dict[str, Callable[[], bytes]] = {
+    "last segment": lambda: _send_datagram(2, last=True),
+    "other msn": lambda: _send_datagram(2, msn=MSN + 1),
+    "queue 1": lambda: _respoil(_send_datagram(2), lambda b: b.__setitem__(slice(14, 18), b"\0\0\0\1")),
+    "an invalidate stag": lambda: _respoil(_send_datagram(2), lambda b: b.__setitem__(slice(10, 14), b"\0\0\1\0")),
+    "mo gap": lambda: _send_datagram(2, mo=2 * PAYLOAD + 1),
+    "mo step back": lambda: _send_datagram(2, mo=PAYLOAD),
+    "solicited": lambda: _send_datagram(2, opcode=Opcode.SEND_SE),
+    "immediate data follows": lambda: _send_datagram(2, flags=1),
+    "ddp control zero": lambda: _respoil(_send_datagram(2), lambda b: b.__setitem__(8, 0)),
+    "tagged": lambda: _datagram(2),
+    "too short": lambda: _send_datagram(2)[:link.HEADER_LEN + segment.UNTAGGED_PREFIX_LEN + 3],
+}
+
+
+def test_a_send_s_middle_segments_are_placed_in_order() -> None:
+    k, r, mem = _run([_send_datagram(i) for i in range(5)], send=True)
+    assert k == 5 and r.next_to == r.bytes == 5 * PAYLOAD
+    assert bytes(mem[:5 * PAYLOAD]) == b"".join(bytes([i]) * PAYLOAD for i in range(5)) and not any(mem[5 * PAYLOAD:])
+    assert _run([_send_datagram(i) for i in range(5)], send=True, next_to=1)[0] == 0
+
+
+@pytest.mark.parametrize("spoil", sorted(SEND_SPOILERS))
+def test_a_send_run_stops_before_a_segment_it_does_not_recognise(spoil: str) -> None:
+    bad = SEND_SPOILERS[spoil]()
+    ds = [_send_datagram(0), _send_datagram(1), bad, _send_datagram(3)]
+    if len(bad) == len(ds[0]):
+        k, _, mem = _run(ds, send=True)
+        assert k == 2 and not any(mem[2 * PAYLOAD:])
+    k, _, mem = _run([bad], send=True, next_to=2 * PAYLOAD)
+    assert k == 0 and not any(mem)
+
+
+def test_a_send_longer_than_its_receive_ends_the_run() -> None:
+    k, _, mem = _run([_send_datagram(i) for i in range(4)], send=True, length=3 * PAYLOAD - 1)
+    assert k == 2 and not any(mem[2 * PAYLOAD:])
 
 
 def test_crc32c_matches_the_crc32c_package() -> None:
