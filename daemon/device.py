@@ -78,7 +78,7 @@ from ..wire.rdmap import Opcode
 from ..wire.shm import EventType, QPState as S, WcStatus as W
 from . import tables
 from .config import check_mtu
-from .qp import _OP_READ_RESPONSE, _OP_WRITE, _RECEIVING, _REMOTE_WRITE, QueuePair, _PendingRead
+from .qp import _OP_READ_RESPONSE, _OP_WRITE, _RECEIVING, _REMOTE_WRITE, _SEND_OPCODE, QueuePair, _PendingRead
 
 log = logging.getLogger("udpverbs.daemon")
 
@@ -97,14 +97,14 @@ _RX_BYTE_BUDGET = 1 << 20
 # The receive lane's control bytes: (DDP control of a segment that is not
 # the last, RDMAP control[, DDP control of the last])
 _WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
-# The lane never takes a Read Response's or a Send's last segment: the
-# control byte of the others stands for both (any byte that matches no
-# segment would do, but 0 is a DDP control byte the decoder refuses and the
-# lane would not).
+# The lane never takes a Read Response's or a Send's last segment, so the
+# control byte of the others stands for both.  (A "matches nothing" value
+# would need care: 0, once used here, is a control byte the decoder refuses
+# and the lane then accepted.)
 _READ_RESPONSE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False),
                        rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)[0])
 _SEND_CTRL = {int(op): (ctrl, rctl, ctrl) for (op, last), (ctrl, rctl, _) in rdmap.UNTAGGED_CONTROL.items()
-              if not last and op in (Opcode.SEND, Opcode.SEND_SE, Opcode.SEND_INVALIDATE, Opcode.SEND_SE_INVALIDATE)}
+              if not last and op in _SEND_OPCODE.values()}
 #: requests the daemon answers by itself: no application waits on them, so
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
