@@ -5,8 +5,9 @@ without, get the same datagrams from one sender: in order, lost, duplicated,
 swapped, corrupted, coalesced into GRO buffers or not, for Writes that place
 and Writes that must end in a Terminate (unknown STag, past the region's
 end), Read Responses, and Sends (plain, with Immediate Data, with
-Invalidate, longer than their receive, or waiting out an RNR NACK).  After every step they must answer the sender with the same bytes, and
-at the end hold the same memory, counters and QP state.  The clock is a
+Invalidate, longer than their receive, or waiting out an RNR NACK).  After
+every step they must answer the sender with the same bytes, and at the end
+hold the same memory, counters and QP state.  The clock is a
 number advanced by hand and the datagrams are carried by the test, so
 nothing depends on scheduling.
 """
@@ -74,8 +75,8 @@ def _forge_read_response_to(out: list[bytes], delta: int | str) -> tuple[list[by
     ``delta`` (a peer that places out of order or past the sink), or with
     ``delta == "overrun"`` make the first Read's last segment longer and not
     the last, or with ``"ctrl zero"`` give the tenth a DDP control byte of 0
-    (a DDP version the decoder refuses); the CRC stays valid.  Returns the datagrams and what is left to
-    forge (0: done)."""
+    (a DDP version the decoder refuses); the CRC stays valid.  Returns the
+    datagrams and what is left to forge (0: done)."""
     forged = []
     for d in map(bytes, out):
         h, body = wire_link.decode_untrusted(d)
@@ -177,13 +178,13 @@ def _send_source(i: int) -> int:
     return 4096 * i + 7
 
 
-def _post_sends(rng: random.Random, a: Host, receivers: tuple[Host, Host], first_wr_id: int,
+def _post_sends(a: Host, receivers: tuple[Host, Host], first_wr_id: int,
                 sends: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    """A posts a Send per ``(length, kind)`` in ``sends`` (the i-th from ``_send_source(i)``): kind "ok", "imm"
-    (with Immediate Data), "inv" (invalidating a spare region of the
-    receiver's), "too_long" (the receive holds half of it) or "late" (its
-    receive, and all later ones, come after the sender's first try, which is
-    NACKed).  The receivers post the receives that are not late; returns
+    """A posts a Send per ``(length, kind)`` in ``sends``, the i-th from
+    ``_send_source(i)``: kind "ok", "imm" (with Immediate Data), "inv"
+    (invalidating a spare region of the receiver's), "too_long" (the
+    receive holds half of it) or "late" (its receive, and all later ones,
+    come after the sender's first try, which is NACKed).  The receivers post the receives that are not late; returns
     those that are, as ``(offset, length)``, for the caller to post."""
     late: list[tuple[int, int]] = []
     for i, (length, kind) in enumerate(sends):
@@ -225,7 +226,7 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
             dst = MR_LEN - length // 2 - 1
         a.post_write(i, 0, length, fast, dst, rkey=rkey)
     sends = sends or []
-    late = _post_sends(rng, a, (fast, slow), len(writes), sends)
+    late = _post_sends(a, (fast, slow), len(writes), sends)
     replies += len(sends)  # each receive completes, well or not
     done: list[tuple[int, int]] = []
     held: list[bytes] = []
