@@ -18,6 +18,7 @@ of sleeping or retrying a connect.  Children are stopped by pid in
 
 from __future__ import annotations
 
+import argparse
 import os
 import select
 import shutil
@@ -177,17 +178,54 @@ def server_port(child: Child) -> int:
         raise LocalRunError(f"server reported {line!r} instead of its port") from None
 
 
+#: Daemon flags ``--local`` sets itself: each "host" has its own address,
+#: port and control socket, ``-m`` sets the MTU, and a TOML file could set
+#: any of them.
+LOCAL_DAEMON_FLAGS = ("--name", "--addr", "--port", "--socket", "--mtu", "--ready-fd", "--config")
+
+
+def check_daemon_args(args: Sequence[str]) -> list[str]:
+    """Check the flags ``--daemon-arg`` passes to both local daemons, as the
+    daemon itself would, before anything starts.
+
+    Returns: the flags.
+    Raises: ValueError naming the problem: a flag the daemon does not know
+    or a bad value (an unknown ``--cc``, say), or one ``--local`` sets
+    itself (abbreviated too, as argparse accepts ``--mt``).
+    """
+    from ..daemon import config as dconfig
+    from ..daemon.__main__ import configure
+
+    args = list(args)
+    parser = dconfig.parser()
+    parser.exit_on_error = False
+    try:
+        given, _ = parser.parse_known_args(args)
+        for flag in LOCAL_DAEMON_FLAGS:  # before configure reads a --config file
+            if getattr(given, flag[2:].replace("-", "_")) is not None:
+                if flag == "--config":
+                    raise ValueError("a --config file could set what --local sets; pass its settings as flags")
+                why = " (-m sets the MTU)" if flag == "--mtu" else ""
+                raise ValueError(f"--local sets {flag} itself{why}")
+        configure(args, exit_on_error=False)
+    except (ValueError, argparse.ArgumentError) as e:
+        raise ValueError(f"--daemon-arg: {e}") from None
+    return args
+
+
 @dataclass
 class LocalDaemons:
     """Two udpverbs daemons, one per loopback "host", started and stopped by pid.
 
-    Takes: the path MTU (the daemons carry ``mtu - 28`` bytes per datagram).
+    Takes: the path MTU (the daemons carry ``mtu - 28`` bytes per datagram)
+    and more daemon flags for both (checked by :func:`check_daemon_args`).
     Use as a context manager; ``server_device`` / ``client_device`` are the
     control socket paths each side passes as ``--device``.  The sockets live
     in a private temporary directory removed at the end.
     """
 
     mtu: int = 1500
+    daemon_args: Sequence[str] = ()
     children: list[Child] = field(default_factory=list)
     server_device: str | None = None
     client_device: str | None = None
@@ -203,7 +241,7 @@ class LocalDaemons:
         self.runtime_dir = tempfile.mkdtemp(prefix="udpverbs-local-")
         for ip, name in ((SERVER_IP, "uvlocal-s"), (CLIENT_IP, "uvlocal-c")):
             path = os.path.join(self.runtime_dir, f"{name}.sock")
-            argv = verbs_perf.daemon_command(ip, name, path, self.mtu - 28)
+            argv = verbs_perf.daemon_command(ip, name, path, self.mtu - 28, self.daemon_args)
             self.children.append(spawn(argv, stdout=subprocess.DEVNULL))
             if ip == SERVER_IP:
                 self.server_device = path

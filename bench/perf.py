@@ -34,7 +34,7 @@ import math
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from . import rawudp
 from .control import ControlChannel, ControlError
@@ -278,7 +278,9 @@ class Session:
 
     Takes: the validated parameters, the control channel, the role
     (``is_client``), where to print (``out``, None for nothing), JSON output,
-    the daemon to use (``device``), and a progress callback for the client.
+    the daemon to use (``device``), a progress callback for the client, and
+    the flags local daemons were started with (``daemon_args``, shown in the
+    banner so a saved table says what it measured).
     """
 
     def __init__(
@@ -291,8 +293,10 @@ class Session:
         json_out: bool = False,
         device: str | None = None,
         progress: Callable[[int, int, int], None] | None = None,
+        daemon_args: Sequence[str] = (),
     ) -> None:
         self.params = params
+        self.daemon_args = list(daemon_args)
         self.ctrl = ctrl
         self.is_client = is_client
         self.out = out
@@ -331,6 +335,8 @@ class Session:
         ]
         if p.baseline:
             settings.append(("Baseline", f"{p.baseline}{' only' if p.baseline_only else ''}"))
+        if self.daemon_args:
+            settings.append(("Daemon flags", " ".join(self.daemon_args)))
         local = remote = None
         if self._ours is not None:
             local, remote = self._ours.addresses()

@@ -60,7 +60,7 @@ import collections
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from .control import ControlError
 from .stats import BandwidthStats, LatencyStats, bandwidth_stats, latency_stats
@@ -111,18 +111,19 @@ def load_verbs() -> Any:
     return verbs
 
 
-def daemon_command(ip: str, name: str, socket_path: str, udp_payload: int) -> list[str]:
+def daemon_command(ip: str, name: str, socket_path: str, udp_payload: int, extra: Sequence[str] = ()) -> list[str]:
     """Return the command line of a daemon for ``--local``.
 
-    Takes: the IP to bind, the device name, the control socket path, and the
-    UDP payload per datagram (the MTU less 28 bytes of IP and UDP headers).
+    Takes: the IP to bind, the device name, the control socket path, the
+    UDP payload per datagram (the MTU less 28 bytes of IP and UDP headers),
+    and the user's ``--daemon-arg`` flags (after ours: ``--log-level`` may
+    be overridden; ``local.check_daemon_args`` refuses the rest of ours).
     Returns: argv; ``{ready_fd}`` stands for the readiness pipe.
     """
-    import sys
-
     return [
         sys.executable, "-m", "udpverbs.daemon", "--name", name, "--addr", ip, "--port", "0",
         "--socket", socket_path, "--mtu", str(udp_payload), "--log-level", "ERROR", "--ready-fd", "{ready_fd}",
+        *extra,
     ]  # fmt: skip
 
 

@@ -82,13 +82,28 @@ def parser() -> argparse.ArgumentParser:
 _KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native")
 
 
-def load(argv: list[str] | None = None) -> dict[str, Any]:
+def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
     """Merge defaults, the TOML file and flags into one dict.
 
+    ``exit_on_error=False`` is for flags another program passes on
+    (``udpverbs perf --local --daemon-arg``): a bad flag is then a
+    ValueError it can report, not argparse's exit.
+
     Raises:
-        SystemExit: bad flags (argparse); ValueError: bad TOML keys or values.
+        SystemExit: bad flags (argparse, unless ``exit_on_error`` is false);
+        ValueError: bad TOML keys or values, or bad flags.
     """
-    args = parser().parse_args(argv)
+    p = parser()
+    if exit_on_error:
+        args = p.parse_args(argv)
+    else:
+        p.exit_on_error = False
+        try:
+            args, extra = p.parse_known_args(argv)
+        except argparse.ArgumentError as e:
+            raise ValueError(str(e)) from None
+        if extra:
+            raise ValueError(f"unrecognized arguments: {' '.join(extra)}")
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
                            "cc": "efe-host", "gso": True, "native": True}

@@ -81,6 +81,29 @@ def parse_peer(text: str, default_port: int) -> tuple[str, int]:
     return host, value
 
 
+def _add_daemon_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--daemon-arg", dest="daemon_args", action="append", default=[], metavar="=FLAG",
+                   help="pass FLAG to both daemons a local run starts, e.g. --daemon-arg=--cc=aimd "
+                   "(repeatable; write it with '=': its value starts with '--')")
+
+
+def daemon_args_from(args: argparse.Namespace) -> list[str]:
+    """The ``--daemon-arg`` flags, checked as the daemons would check them.
+
+    Raises: UsageError if one is bad, or if no local daemon would take it.
+    """
+    if not args.daemon_args:
+        return []
+    if args.command == "perf" and not args.local:
+        raise UsageError("--daemon-arg goes with --local: a daemon you started keeps the flags you gave it")
+    if args.command == "perf" and args.baseline_only:
+        raise UsageError("--daemon-arg: --baseline-only starts no daemon")
+    try:
+        return local.check_daemon_args(args.daemon_args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``udpverbs`` command."""
     parser = argparse.ArgumentParser(prog="udpverbs", description="RDMA verbs over plain UDP: benchmarks and demo")
@@ -119,12 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("--plot", metavar="FILE.png", help="write latency/bandwidth against message size (needs matplotlib)")
     perf.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal")
     perf.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # internal: --local's readiness pipe
+    _add_daemon_arg(perf)
 
     demo = sub.add_parser("demo", help="two local daemons, write latency and bandwidth sweeps against raw UDP, a plot")
     demo.add_argument("--plot", metavar="FILE.png", default="udpverbs-demo.png", help="where the plot goes (default %(default)s)")
     demo.add_argument("--max-size", type=_size, default=1 << 20, help="largest message of the sweeps (default 1M)")
     demo.add_argument("-n", "--iters", type=int, help="iterations per size (default: as perf, at most 16 MB per size)")
     demo.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
+    _add_daemon_arg(demo)
     return parser
 
 
@@ -192,26 +217,31 @@ def run_client(
     json_out: bool,
     progress,  # type: ignore[no-untyped-def]
     out: TextIO | None = None,
+    daemon_args: Sequence[str] = (),
 ) -> list[Row]:
     """Connect to a server, run the session, print the rows.
 
+    ``daemon_args``: the flags the local daemons were started with, for the banner.
     Returns: the rows.
     Raises: the run errors.
     """
     out = out or sys.stdout
     with connect(host, port, CONNECT_TIMEOUT_S, source_ip=bind) as ctrl:
         hello(ctrl, params)
-        session = Session(params, ctrl, is_client=True, out=out, json_out=json_out, device=device, progress=progress)
+        session = Session(params, ctrl, is_client=True, out=out, json_out=json_out, device=device, progress=progress,
+                          daemon_args=daemon_args)
         return session.run()
 
 
-def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | None = None) -> list[Row]:  # type: ignore[no-untyped-def]
+def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | None = None,  # type: ignore[no-untyped-def]
+              daemon_args: Sequence[str] = ()) -> list[Row]:
     """Run both sides on this host: daemons (unless baseline-only), a server child, this client.
 
+    ``daemon_args``: more flags for both daemons (checked by ``daemon_args_from``).
     Returns: the rows.
     Raises: the run errors; every child is stopped by pid first.
     """
-    daemons = local.LocalDaemons(mtu=params.mtu)
+    daemons = local.LocalDaemons(mtu=params.mtu, daemon_args=daemon_args)
     server = None
     try:
         # Start the daemons and the server at once: the server opens its
@@ -230,6 +260,7 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
             json_out=json_out,
             progress=progress,
             out=out,
+            daemon_args=daemon_args,
         )
         status = local.wait_process(server.proc, local.STOP_GRACE_S)
         server = None
@@ -245,10 +276,11 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
 def cmd_perf(args: argparse.Namespace) -> int:
     """Run ``udpverbs perf``; returns the exit status."""
     params = params_from_args(args)
+    daemon_args = daemon_args_from(args)
     if args.plot:
         require_matplotlib()  # fail before a long sweep, not after it
     if args.local:
-        rows = run_local(params, json_out=args.json, progress=_progress(args))
+        rows = run_local(params, json_out=args.json, progress=_progress(args), daemon_args=daemon_args)
     elif args.peer:
         host, port = parse_peer(args.peer, args.port)
         rows = run_client(
@@ -265,6 +297,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run ``udpverbs demo``; returns the exit status."""
     rows: list[Row] = []
+    daemon_args = daemon_args_from(args)
     for test in ("write_lat", "write_bw"):
         try:
             params = PerfParams(
@@ -275,7 +308,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         if not args.json:
             print(f"\n== udpverbs perf {test} --local -a --baseline raw-udp", flush=True)
-        rows += run_local(params, json_out=args.json, progress=tty_progress(sys.stderr) if sys.stderr.isatty() else None)
+        rows += run_local(params, json_out=args.json, progress=tty_progress(sys.stderr) if sys.stderr.isatty() else None,
+                          daemon_args=daemon_args)
     try:
         plot_rows(rows, args.plot, title="udpverbs demo: RDMA Write over udpverbs vs raw UDP")
         print(f"\nplot written to {args.plot}")

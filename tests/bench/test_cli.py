@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from udpverbs import cli
+from udpverbs.bench import local, verbs_perf
 from udpverbs.bench.perf import ALL_SIZES, PerfParams, PerfUsageError
 
 
@@ -50,12 +51,37 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["write_lat", "--rnr-delay-us", "100"], "does not apply to write_lat (write_lat has no receives)"),
         (["send_lat", "--rnr-delay-us", "-1"], "--rnr-delay-us must be between 0 (off) and 1000000"),
         (["send_lat", "--rnr-delay-us", "1000001"], "--rnr-delay-us must be between"),
+        # --daemon-arg: checked as the daemon checks its flags, before anything starts
+        (["write_lat", "--daemon-arg=--cc=aimd"], "--daemon-arg goes with --local"),
+        (["write_bw", "--local", "--baseline", "raw-udp", "--baseline-only", "--daemon-arg=--cc=aimd"],
+         "--baseline-only starts no daemon"),
+        (["write_lat", "--local", "--daemon-arg=--cc=bogus"], "unknown congestion controller 'bogus'"),
+        (["write_lat", "--local", "--daemon-arg=--frob"], "unrecognized arguments: --frob"),
+        (["write_lat", "--local", "--daemon-arg=--link=nope=1"], "unknown link setting 'nope'"),
+        (["write_lat", "--local", "--daemon-arg=--spin-us"], "--spin-us: expected one argument"),
+        (["write_lat", "--local", "--daemon-arg=--log-level=loud"], "unknown log level 'loud'"),
+        (["write_lat", "--local", "--daemon-arg=--port=5"], "--local sets --port itself"),
+        (["write_lat", "--local", "--daemon-arg=--mt=9000"], "--local sets --mtu itself (-m sets the MTU)"),
+        (["write_lat", "--local", "--daemon-arg=--config=/nonexistent.toml"], "a --config file could set"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["perf", *argv]) == 2
     err = capsys.readouterr().err
     assert "error" in err and fragment in err
+
+
+def test_demo_checks_its_daemon_flags_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--daemon-arg=--socket=/tmp/x.sock"]) == 2
+    assert "--local sets --socket itself" in capsys.readouterr().err
+
+
+def test_daemon_flags_are_checked_and_returned_in_order() -> None:
+    assert local.check_daemon_args(["--cc", "fixed", "--no-native", "--link=rwnd_packets=64"]) == [
+        "--cc", "fixed", "--no-native", "--link=rwnd_packets=64"]
+    # after ours on the daemon's command line, so a later --log-level wins
+    argv = verbs_perf.daemon_command("127.0.0.2", "uv", "/tmp/uv.sock", 1472, ["--log-level=INFO"])
+    assert argv[-1] == "--log-level=INFO" and argv.index("ERROR") < len(argv) - 1
 
 
 def test_unknown_test_is_rejected_by_the_parser() -> None:

@@ -111,6 +111,20 @@ def test_send_lat_rnr_path_includes_the_delay(capsys: pytest.CaptureFixture[str]
     assert client_stats.get("rnr_retry_exceeded", 0) == 0
 
 
+def test_daemon_args_reach_both_local_daemons(capfd: pytest.CaptureFixture[str], client_stats: dict[str, int]) -> None:
+    # --log-level=INFO: each daemon logs its start (the default for --local
+    # is ERROR); --no-native: no datagram goes through a compiled lane,
+    # which otherwise carries every 2-byte Write of this test both ways.
+    argv = ["perf", "write_lat", "-n", "20", "--local", "--daemon-arg=--log-level=INFO", "--daemon-arg=--no-native"]
+    rc = cli.main(argv)
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    assert "udpverbsd uvlocal-s: udp 127.0.0.2:" in err and "udpverbsd uvlocal-c: udp 127.0.0.3:" in err
+    assert client_stats["link_data_received"] >= 20 and client_stats["link_data_sent"] >= 20
+    assert "rx_native_datagrams" not in client_stats and "tx_native_datagrams" not in client_stats
+    assert " Daemon flags    : --log-level=INFO --no-native" in out  # the table says what it measured
+
+
 def test_send_lat_rnr_banner_says_the_latency_includes_the_delay(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["perf", "send_lat", "-n", "3", "--rnr-delay-us", "500", "--local"])
     out, err = capsys.readouterr()

@@ -74,6 +74,9 @@ def test_bad_flags_and_config(rundir) -> None:
         f.write("colour = 'blue'\n")
     r = _run_second(["--config", cfg])
     assert r.returncode == 2 and b"unknown key" in r.stderr
+    # refused up front with status 2, not a traceback from logging at start
+    r = _run_second(["--log-level", "loud"])
+    assert r.returncode == 2 and b"unknown log level 'loud'" in r.stderr and b"Traceback" not in r.stderr
 
 
 def test_toml_config_is_used(rundir) -> None:
