@@ -127,8 +127,10 @@ _RX_CMSG_SPACE = socket.CMSG_SPACE(4) + socket.CMSG_SPACE(_TIMESPEC.size)
 # microseconds per received buffer.
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
-#: the daemon's default for LinkConfig.pacing_burst_packets (see link_config)
+#: the daemon's defaults for LinkConfig.pacing_burst_packets and
+#: pacing_burst_s (see link_config)
 DAEMON_PACING_BURST_PACKETS = 32.0
+DAEMON_PACING_BURST_S = 1e-3
 #: the daemon's default for LinkConfig.min_rto_s.  The RTO estimator cannot
 #: see how long the peer's daemon left our datagrams in its socket (its echo
 #: leaves that out, for the delay signal), and on a loaded host a daemon
@@ -357,13 +359,16 @@ def link_config(config: DeviceConfig) -> LinkConfig:
     Raises:
         ValueError: an unknown LinkConfig field or a value of the wrong type.
     """
-    # The pacer's burst must cover one pass of the data loop: a pass takes
-    # tens of microseconds in Python, in which the pacer's rate would release
-    # many packets, and a 2-packet burst (LinkConfig's default, right for a
-    # sender that can act every microsecond) capped a 1472-byte Write stream
-    # at about 3 packets per pass (16 MB/s in one process; 49 MB/s with 32).
+    # The pacer's burst must cover the time between two passes of the data
+    # loop, in which the pacer's rate would release many packets: a 2-packet
+    # burst (LinkConfig's default, right for a sender that can act every
+    # microsecond) capped a 1472-byte Write stream at about 3 packets per
+    # pass (16 MB/s in one process; 49 MB/s with 32), and 32 packets capped
+    # it at 157 MB/s with 300 µs passes.  So the burst is also a time: 1 ms
+    # at the pacing rate.
     lc = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD, cc=config.cc,
-                    pacing_burst_packets=DAEMON_PACING_BURST_PACKETS, min_rto_s=DAEMON_MIN_RTO_S)
+                    pacing_burst_packets=DAEMON_PACING_BURST_PACKETS, pacing_burst_s=DAEMON_PACING_BURST_S,
+                    min_rto_s=DAEMON_MIN_RTO_S)
     create_cc(config.cc, config.mtu)  # raises ValueError for an unknown name, now rather than per link
     for key, value in config.link.items():
         if key not in LinkConfig.__dataclass_fields__ or key in ("cc_params",):

@@ -154,8 +154,10 @@ class LinkConfig:
     reorder_threshold: int = 3
     cc: str = "efe"
     cc_params: dict[str, Any] = field(default_factory=dict)
-    #: burst the pacer allows after idle, in packets
+    #: burst the pacer allows after idle, in packets...
     pacing_burst_packets: float = 2.0
+    #: ...or in time at the pacing rate, if that is more (see pacer.py)
+    pacing_burst_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -221,7 +223,7 @@ class Link:
         self._out: list[bytes] = []
         mss = config.max_payload + wl.OVERHEAD
         self.cc = create(config.cc, mss, config.cc_params)
-        self.pacer = Pacer(config.pacing_burst_packets * mss)
+        self.pacer = Pacer(config.pacing_burst_packets * mss, config.pacing_burst_s)
         self.rtt = RttEstimator(config.initial_rto_s, config.min_rto_s, config.max_rto_s)
         # sender
         self.recovery = Recovery(config.reorder_threshold)
@@ -939,7 +941,7 @@ class Link:
         inflight = rec.bytes_in_flight
         rate = pacer.rate_Bps
         nxt = pacer.next_send_s
-        floor = now - pacer.burst_bytes / rate if rate != INF else 0.0
+        floor = pacer.floor(now) if rate != INF else 0.0
         k = 0
         total = 0
         m = end - n

@@ -144,6 +144,22 @@ def test_pacer_release_times() -> None:
     assert not p.can_send(0.0009) and p.can_send(0.001)
 
 
+def test_pacer_credit_can_be_a_time_at_the_rate() -> None:
+    # A sender that acts every 10 ms keeps 10 ms of credit at the rate: 10,000 B,
+    # so 11 packets of 1,000 B leave at once (as 3 do for 2,000 B above).
+    p = Pacer(burst_bytes=2000, burst_s=0.01)
+    p.rate_Bps = 1e6
+    for _ in range(11):
+        assert p.can_send(1.0)
+        p.on_sent(1000, 1.0)
+    assert not p.can_send(1.0) and p.next_send_s == pytest.approx(1.001)
+    assert p.floor(2.0) == pytest.approx(1.99)
+    # the byte cap rules where it is the larger: 5,000 B against 1 ms (1,000 B)
+    p = Pacer(burst_bytes=5000, burst_s=0.001)
+    p.rate_Bps = 1e6
+    assert p.floor(1.0) == pytest.approx(0.995)
+
+
 def test_metrics_helpers() -> None:
     assert jain_index([1.0, 1.0, 1.0]) == 1.0
     assert jain_index([1.0, 0.0]) == 0.5
