@@ -94,6 +94,12 @@ _RX_BUDGET = 128
 #: waits for the pass's end came after the sender's minimum RTO (4 ms then;
 #: DAEMON_MIN_RTO_S now)
 _RX_BYTE_BUDGET = 1 << 20
+#: messages one QP's turn may queue in a pass.  The link's send space bounds
+#: a pass's total and the ready line's rotation shares it between QPs; this
+#: bounds one turn's Python (a QP of 2-byte Writes takes a WQE per message).
+#: 64 kept a single QP's 1472-byte stream to about 47 datagrams per pass
+#: (a 64 KiB Write is 45), whose fixed costs then weighed on each.
+_TURN_BUDGET = 256
 # The receive lane's control bytes: (DDP control of a segment that is not
 # the last, RDMAP control[, DDP control of the last])
 _WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
@@ -875,7 +881,7 @@ class Device:
 
     def _pump(self, qp: QueuePair, start: bool = True) -> bool:
         try:
-            return bool(qp.pump(64, start))
+            return bool(qp.pump(_TURN_BUDGET, start))
         except Exception:  # an engine bug ends this QP, never the daemon
             self._qp_failed(qp)
             return True
