@@ -194,7 +194,6 @@ def check_daemon_args(args: Sequence[str]) -> list[str]:
     itself (abbreviated too, as argparse accepts ``--mt``).
     """
     from ..daemon import config as dconfig
-    from ..daemon.__main__ import configure
 
     args = list(args)
     parser = dconfig.parser()
@@ -207,7 +206,7 @@ def check_daemon_args(args: Sequence[str]) -> list[str]:
                     raise ValueError("a --config file could set what --local sets; pass its settings as flags")
                 why = " (-m sets the MTU)" if flag == "--mtu" else ""
                 raise ValueError(f"--local sets {flag} itself{why}")
-        configure(args, exit_on_error=False)
+        dconfig.configure(args, exit_on_error=False)
     except (ValueError, argparse.ArgumentError) as e:
         raise ValueError(f"--daemon-arg: {e}") from None
     return args

@@ -24,7 +24,7 @@ import trio
 from . import config as dconfig
 from .cm import ConnectionManager
 from .control import check_socket_free, serve_control
-from .device import Device, DeviceConfig, link_config
+from .device import Device, DeviceConfig
 
 log = logging.getLogger("udpverbs.daemon")
 
@@ -62,23 +62,10 @@ async def run(cfg: dict[str, Any]) -> None:
         device.close()
 
 
-def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
-    """The daemon's configuration from flags and TOML, every value checked
-    before anything is bound (``dconfig.load``'s ``exit_on_error``).
-
-    Raises: ValueError or OSError (an unreadable TOML file) on a bad value.
-    """
-    cfg = dconfig.load(argv, exit_on_error=exit_on_error)
-    if not isinstance(logging.getLevelName(str(cfg["log_level"]).upper()), int):
-        raise ValueError(f"unknown log level {cfg['log_level']!r}; have DEBUG, INFO, WARNING, ERROR")
-    link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"]))
-    return cfg
-
-
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     try:
-        cfg = configure(argv)
+        cfg = dconfig.configure(argv)
     except (ValueError, OSError) as e:
         print(f"udpverbsd: {e}", file=sys.stderr)
         return 2

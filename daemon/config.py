@@ -16,6 +16,7 @@ Precedence: built-in defaults < TOML file (``--config``) < command-line flags.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tomllib
 from typing import Any
@@ -133,4 +134,21 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     cfg["ready_fd"] = args.ready_fd
     if cfg["socket"] is None:
         cfg["socket"] = socket_path(cfg["name"])
+    return cfg
+
+
+def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
+    """:func:`load`, then every value checked as the daemon would use it,
+    before anything is bound (the log level; the MTU, congestion control
+    and ``--link`` settings through the link's configuration).
+
+    Raises: ValueError on a bad value, OSError on an unreadable TOML file,
+    SystemExit on bad flags unless ``exit_on_error`` is false.
+    """
+    from .device import DeviceConfig, link_config  # the data path's imports, only when checking
+
+    cfg = load(argv, exit_on_error=exit_on_error)
+    if not isinstance(logging.getLevelName(str(cfg["log_level"]).upper()), int):
+        raise ValueError(f"unknown log level {cfg['log_level']!r}; have DEBUG, INFO, WARNING, ERROR")
+    link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"]))
     return cfg
