@@ -569,8 +569,8 @@ class Link:
             # ends any back-off (§5.7) and the consecutive-RTO count.
             self._rto_backoff = 1
             self._consecutive_rto = 0
-            self._rto_deadline = now + self.rtt.rto_s if rec.inflight else None
-        elif not rec.inflight:
+            self._rto_deadline = now + self.rtt.rto_s if rec.has_inflight() else None
+        elif not rec.has_inflight():
             self._rto_deadline = None
 
     def _data_received(self, h: wl.LinkHeader, body: memoryview) -> None:
@@ -741,7 +741,7 @@ class Link:
         # over: a segment is built once per send); a view may alias memory
         # that changes, so it is copied.
         t = type(message)
-        self.recovery.messages[n] = message if t is bytes or t is bytearray else bytes(message)
+        self.recovery.add(n, message if t is bytes or t is bytearray else bytes(message))
         self._next_n = n + 1
         return n
 
@@ -764,11 +764,7 @@ class Link:
             raise RuntimeError(f"send_run() on a {self.state.name} link")
         n0 = self._next_n
         view = memoryview(buf)
-        messages = self.recovery.messages
-        for i in range(count - 1):
-            messages[n0 + i] = view[i * stride:(i + 1) * stride]
-        last = (count - 1) * stride
-        messages[n0 + count - 1] = view[last:last + last_len]
+        self.recovery.add_run(n0, count, view, stride, last_len)
         self._next_n = n0 + count
         if self._framer is not None:
             self._runs.append((n0, n0 + count, buf, stride, last_len))
@@ -820,7 +816,6 @@ class Link:
                 self._pace_deadline = pacer.next_send_s
             self._cwnd_limited = rec.bytes_in_flight * 2 >= cwnd
         elif lost or snd_nxt < limit:
-            messages = rec.messages
             overhead = wl.OVERHEAD
             ts = int(now * 1e6) & _U32
             ack = (self.peer_isn + self.rcv_nxt) & _U32
@@ -862,7 +857,7 @@ class Link:
                             sent += k
                             sent_bytes += nbytes
                             continue
-                body = messages[n]
+                body = rec.message(n)
                 size = len(body) + overhead
                 inflight = rec.bytes_in_flight
                 # Send while the window is not full (a packet may overshoot

@@ -25,6 +25,7 @@ scan of the whole window.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 
 class RttEstimator:
@@ -62,34 +63,111 @@ class RttEstimator:
 class Recovery:
     """The sender's table of unacknowledged messages and its loss detector.
 
+    A stream's packets mostly come in runs: a message run queued at once
+    (``add_run``, the send lane's bodies) and sent at once (``on_sent_run``,
+    the framer), with consecutive transmission ids.  Such runs are kept as
+    runs, so queuing, sending and acknowledging one costs the same whatever
+    its length; SACK blocks and losses split them.  Everything else is kept
+    per packet, as before runs existed (``tests/transport/recovery_model.py``,
+    against which this class is checked operation by operation).
+
     Attributes:
-        messages: n -> payload for every message queued and not cumulatively
-            acknowledged (the retransmission buffer).
+        messages: n -> payload of the messages queued one by one (``add``)
+            and not cumulatively acknowledged; :meth:`message` reads runs too.
         una: lowest unacknowledged message number (the link's ``acked``).
         inflight: n -> (transmission id, size, id credited on delivery or -1)
-            for packets in flight.
+            for packets in flight sent one by one (``on_sent``);
+            :meth:`in_flight` adds the runs'.
         sacked: message numbers above ``una`` the peer reported by SACK.
         lost: message numbers to retransmit, oldest first (may hold stale
             entries; :meth:`next_lost` skips them).
-        bytes_in_flight: sum of sizes in ``inflight``.
+        bytes_in_flight: sum of sizes of the packets in flight.
     """
 
-    __slots__ = ("messages", "una", "inflight", "sacked", "lost", "bytes_in_flight",
+    __slots__ = ("messages", "una", "inflight", "sacked", "lost", "bytes_in_flight", "_runs", "_spans",
                  "_order", "_tx_next", "_sack_from_start", "_sack_from_end", "max_delivered_tx", "reorder_threshold")
 
     def __init__(self, reorder_threshold: int = 3) -> None:
-        self.messages: dict[int, bytes] = {}
+        self.messages: dict[int, bytes | bytearray | memoryview] = {}
+        # payload runs, by n: [first n not acknowledged, end, buffer, stride,
+        # last message's length, the run's first n]
+        self._runs: deque[list[Any]] = deque()
         self.una = 0
         self.inflight: dict[int, tuple[int, int, int]] = {}
+        # packets in flight sent as runs, by n and so by transmission id:
+        # [first n, end, its transmission id, size, the last one's size];
+        # never a packet also in ``inflight`` (a retransmission goes there)
+        self._spans: list[list[int]] = []
         self.sacked: set[int] = set()
         self.lost: deque[int] = deque()
         self.bytes_in_flight = 0
-        self._order: deque[tuple[int, int]] = deque()  # (tx id, n), send order
+        self._order: deque[tuple[int, int]] = deque()  # (tx id, n) of ``inflight``, send order
         self._tx_next = 0
         self._sack_from_start: dict[int, int] = {}  # block start -> end already applied
         self._sack_from_end: dict[int, int] = {}  # block end -> start already applied
         self.max_delivered_tx = -1
         self.reorder_threshold = reorder_threshold
+
+    # -- payloads ----------------------------------------------------------
+    def add(self, n: int, payload: bytes | bytearray | memoryview) -> None:
+        """Message ``n`` is queued with ``payload``."""
+        self.messages[n] = payload
+
+    def add_run(self, n: int, count: int, buf: memoryview, stride: int, last_len: int) -> None:
+        """Messages ``n`` .. ``n + count - 1`` are queued in ``buf``, ``stride``
+        bytes apart, the last ``last_len`` long."""
+        self._runs.append([n, n + count, buf, stride, last_len, n])
+
+    def message(self, n: int) -> bytes | bytearray | memoryview:
+        """The payload of queued message ``n``.  Raises KeyError if there is none."""
+        m = self.messages.get(n)
+        if m is not None:
+            return m
+        for start, end, buf, stride, last_len, first in self._runs:
+            if start <= n < end:
+                at = (n - first) * stride
+                return buf[at:at + (last_len if n == end - 1 else stride)]
+        raise KeyError(n)
+
+    def queued(self) -> set[int]:
+        """Numbers of the messages whose payload is kept (for tests and checks)."""
+        out = set(self.messages)
+        for r in self._runs:
+            out.update(range(r[0], r[1]))
+        return out
+
+    def _drop_payloads(self, n: int, cum: int) -> None:
+        # Messages n .. cum - 1 are acknowledged: runs shrink or go, messages
+        # queued one by one (between runs) are deleted.
+        runs = self._runs
+        messages = self.messages
+        while n < cum:
+            if runs and runs[0][0] <= n:
+                r = runs[0]
+                if r[1] <= cum:
+                    n = r[1]
+                    runs.popleft()
+                else:
+                    r[0] = n = cum
+            else:
+                stop = runs[0][0] if runs and runs[0][0] < cum else cum
+                for k in range(n, stop):
+                    del messages[k]
+                n = stop
+
+    # -- packets in flight -------------------------------------------------
+    def has_inflight(self) -> bool:
+        """True if any packet is in flight."""
+        return bool(self.inflight or self._spans)
+
+    def in_flight(self) -> dict[int, tuple[int, int, int]]:
+        """n -> (transmission id, size, id credited) of every packet in flight."""
+        out = dict(self.inflight)
+        for n0, n1, tx0, size, last_size in self._spans:
+            for n in range(n0, n1):
+                tx = tx0 + n - n0
+                out[n] = (tx, last_size if n == n1 - 1 else size, tx)
+        return out
 
     def on_sent(self, n: int, size: int, retransmission: bool = False) -> None:
         """Message ``n`` left in a packet of ``size`` bytes."""
@@ -105,19 +183,39 @@ class Recovery:
 
     def on_sent_run(self, n: int, count: int, size: int, last_size: int) -> None:
         """First transmissions of messages ``n`` .. ``n + count - 1``, each in a
-        packet of ``size`` bytes but the last (``last_size``): ``on_sent`` for each."""
+        packet of ``size`` bytes but the last (``last_size``): ``on_sent`` for
+        each, kept as one span."""
         tx = self._tx_next
-        inflight = self.inflight
-        order = self._order
-        for i in range(count - 1):
-            t = tx + i
-            inflight[n + i] = (t, size, t)
-            order.append((t, n + i))
-        t = tx + count - 1
-        inflight[n + count - 1] = (t, last_size, t)
-        order.append((t, n + count - 1))
+        self._spans.append([n, n + count, tx, size, last_size])
         self._tx_next = tx + count
         self.bytes_in_flight += size * (count - 1) + last_size
+
+    def _take_spans(self, lo: int, hi: int) -> tuple[int, int]:
+        """Take packets ``lo`` .. ``hi - 1`` out of the spans (delivered);
+        return their bytes and the highest transmission id among them (-1: none)."""
+        spans = self._spans
+        nbytes = 0
+        maxtx = -1
+        i = 0
+        while i < len(spans):
+            n0, n1, tx0, size, last_size = spans[i]
+            if n1 <= lo:
+                i += 1
+                continue
+            if n0 >= hi:
+                break
+            a = n0 if n0 > lo else lo
+            b = n1 if n1 < hi else hi
+            nbytes += (b - a) * size + (last_size - size if b == n1 else 0)
+            maxtx = tx0 + (b - 1 - n0)
+            pieces = []
+            if a > n0:
+                pieces.append([n0, a, tx0, size, size])
+            if b < n1:
+                pieces.append([b, n1, tx0 + (b - n0), size, last_size])
+            spans[i:i + 1] = pieces
+            i += len(pieces)
+        return nbytes, maxtx
 
     def on_ack(self, cum: int, sacks: list[tuple[int, int]]) -> tuple[int, int]:
         """Apply a cumulative ACK (all n < ``cum``) and SACK ranges [start, end).
@@ -127,20 +225,42 @@ class Recovery:
         bytes newly acknowledged and bytes newly declared lost.
         """
         inflight = self.inflight
-        messages = self.messages
         sacked = self.sacked
+        spans = self._spans
         acked = 0
         maxtx = self.max_delivered_tx
         if cum > self.una:
-            for n in range(self.una, cum):
-                del messages[n]
-                info = inflight.pop(n, None)
-                if info is not None:
-                    acked += info[1]
-                    if info[2] > maxtx:
-                        maxtx = info[2]
-                elif sacked:
-                    sacked.discard(n)
+            n = self.una
+            while n < cum:
+                if spans and spans[0][0] <= n:
+                    # A span's packets: first transmissions, credited with
+                    # their own ids, the highest being the last one acked.
+                    s = spans[0]
+                    n0, n1, tx0, size, last_size = s
+                    if n1 <= cum:
+                        acked += (n1 - n0 - 1) * size + last_size
+                        top = tx0 + n1 - n0 - 1
+                        del spans[0]
+                        n = n1
+                    else:
+                        acked += (cum - n0) * size
+                        top = tx0 + cum - n0 - 1
+                        s[0], s[2] = cum, tx0 + cum - n0
+                        n = cum
+                    if top > maxtx:
+                        maxtx = top
+                    continue
+                stop = spans[0][0] if spans and spans[0][0] < cum else cum
+                for k in range(n, stop):
+                    info = inflight.pop(k, None)
+                    if info is not None:
+                        acked += info[1]
+                        if info[2] > maxtx:
+                            maxtx = info[2]
+                    elif sacked:
+                        sacked.discard(k)
+                n = stop
+            self._drop_payloads(self.una, cum)
             self.una = cum
         memo_s = self._sack_from_start
         memo_e = self._sack_from_end
@@ -154,6 +274,8 @@ class Recovery:
             memo_e[end] = start
             if lo < cum:
                 lo = cum
+            if lo >= hi:
+                continue
             for n in range(lo, hi):
                 # Also a message already declared lost (so not in flight):
                 # SACKed now, it must not be retransmitted.
@@ -163,27 +285,52 @@ class Recovery:
                     acked += info[1]
                     if info[2] > maxtx:
                         maxtx = info[2]
+            if spans:
+                nbytes, top = self._take_spans(lo, hi)
+                acked += nbytes
+                if top > maxtx:
+                    maxtx = top
         if len(memo_s) > 64:
             self._sack_from_start = {k: v for k, v in memo_s.items() if v > cum}
             self._sack_from_end = {k: v for k, v in memo_e.items() if k > cum}
         self.bytes_in_flight -= acked
         self.max_delivered_tx = maxtx
-        # QUIC packet threshold on transmission ids (RFC 9002 §6.1.1).
+        # QUIC packet threshold on transmission ids (RFC 9002 §6.1.1), over
+        # single packets and spans merged in transmission order.
         threshold = maxtx - self.reorder_threshold
         order = self._order
+        lost = self.lost
         lost_bytes = 0
-        while order:
-            tx, n = order[0]
-            info = inflight.get(n)
-            if info is None or info[0] != tx:
-                order.popleft()  # acknowledged or re-sent since: stale
-                continue
-            if tx > threshold:
+        while True:
+            while order:
+                tx, n = order[0]
+                info = inflight.get(n)
+                if info is None or info[0] != tx:
+                    order.popleft()  # acknowledged or re-sent since: stale
+                    continue
                 break
-            order.popleft()
-            del inflight[n]
-            lost_bytes += info[1]
-            self.lost.append(n)
+            if order and (not spans or order[0][0] < spans[0][2]):
+                tx, n = order[0]
+                if tx > threshold:
+                    break
+                order.popleft()
+                lost_bytes += inflight.pop(n)[1]
+                lost.append(n)
+                continue
+            if not spans:
+                break
+            n0, n1, tx0, size, last_size = s = spans[0]
+            if tx0 > threshold:
+                break
+            k = threshold - tx0 + 1
+            if k >= n1 - n0:
+                k = n1 - n0
+                lost_bytes += (k - 1) * size + last_size
+                del spans[0]
+            else:
+                lost_bytes += k * size
+                s[0], s[2] = n0 + k, tx0 + k
+            lost.extend(range(n0, n0 + k))
         self.bytes_in_flight -= lost_bytes
         return acked, lost_bytes
 
@@ -191,15 +338,21 @@ class Recovery:
         """Declare everything in flight lost (RFC 6298 §5.4 onwards, with SACK:
         resend every un-SACKed packet).  Returns the number of packets."""
         pending = set(self.inflight)
+        for n0, n1, *_ in self._spans:
+            pending.update(range(n0, n1))
         pending.update(n for n in self.lost if n >= self.una and n not in self.sacked)
         self.lost = deque(sorted(pending))
         self.inflight.clear()
+        self._spans.clear()
         self._order.clear()
         self.bytes_in_flight = 0
         return len(pending)
 
     def next_lost(self) -> int | None:
-        """Pop the oldest message still needing a retransmission, or None."""
+        """Pop the oldest message still needing a retransmission, or None.
+
+        A message in ``lost`` is in no span: it left its span when declared
+        lost, and spans hold only first transmissions."""
         lost = self.lost
         while lost:
             n = lost.popleft()

@@ -47,8 +47,8 @@ def _cqes(cq) -> list[tuple[int, int]]:
 
 
 def _queued_kinds(qp, since: set[int]) -> list[int]:
-    messages = qp.link.link.recovery.messages
-    return [envelope.decode_untrusted(bytes(messages[n]))[0].kind for n in sorted(set(messages) - since)]
+    rec = qp.link.link.recovery
+    return [envelope.decode_untrusted(bytes(rec.message(n)))[0].kind for n in sorted(rec.queued() - since)]
 
 
 async def test_a_due_flow_ack_leaves_even_when_the_send_side_fails() -> None:
@@ -60,7 +60,7 @@ async def test_a_due_flow_ack_leaves_even_when_the_send_side_fails() -> None:
     _post_recv(qp, 42, mrs[0], 100)
     dev._dispatch(qp.link, segment.encode(qp.qpn, qp.dest_qpn, rdmap.encode_untagged(Opcode.SEND, True, 1, 0, b"hi")))
     assert qp.flow_ack_due
-    before = set(qp.link.link.recovery.messages)
+    before = qp.link.link.recovery.queued()
 
     def broken(link, budget):
         raise RuntimeError("an engine bug")
@@ -84,7 +84,7 @@ async def test_a_full_link_still_carries_the_flow_ack_a_qp_owes() -> None:
     link = qp.link.link
     while link.send_space():
         link.send(b"filler", 0.0)
-    before = set(link.recovery.messages)
+    before = link.recovery.queued()
     qp.pump(64)
     assert _queued_kinds(qp, before) == []  # the Write waits for room
     _post_recv(qp, 42, mrs[0], 100)

@@ -74,7 +74,7 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
         out_f, out_s = _turn(fast, pf, clock[0], fast.dev._clock), _turn(slow, ps, clock[0], slow.dev._clock)
         assert out_f == out_s  # the same datagrams, byte for byte
         assert _link_state(pf) == _link_state(ps)
-        assert pf.link.recovery.inflight == ps.link.recovery.inflight
+        assert pf.link.recovery.in_flight() == ps.link.recovery.in_flight()
         assert pf.link.pacer.next_send_s == ps.link.pacer.next_send_s
         # a batch is let go once sent, whichever path sent it (SACK blocks
         # may keep the lane off for a long time)

@@ -21,7 +21,8 @@ def test_rtt_estimator_rfc6298() -> None:
 
 
 def sent(rec: Recovery, n: int, size: int = 100, retx: bool = False) -> None:
-    rec.messages.setdefault(n, b"x")
+    if n not in rec.queued():
+        rec.add(n, b"x")
     rec.on_sent(n, size, retx)
 
 
