@@ -16,7 +16,9 @@ without waiting for the RTO.
 
 The send-order queue is scanned only from its head and stale entries are
 dropped lazily, so an ACK costs O(newly acknowledged + newly lost), never a
-scan of the whole window.
+scan of the whole window.  Runs (a run of messages queued in one buffer, a
+run of first transmissions sent in one go) are one entry each, so for a
+stream of runs an ACK costs O(runs), not O(packets).
 
 :class:`RttEstimator` is RFC 6298 §2: SRTT, RTTVAR, RTO clamped to
 ``[min_rto_s, max_rto_s]``; back-off (RFC 6298 §5.5) is kept by the link.
