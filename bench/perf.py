@@ -279,8 +279,9 @@ class Session:
     Takes: the validated parameters, the control channel, the role
     (``is_client``), where to print (``out``, None for nothing), JSON output,
     the daemon to use (``device``), a progress callback for the client, and
-    the flags local daemons were started with (``daemon_args``, shown in the
-    banner so a saved table says what it measured).
+    the flags local daemons were started with (``daemon_args``) and where a
+    local run's processes are (``cpus``), both shown in the banner so a
+    saved table says what it measured.
     """
 
     def __init__(
@@ -294,9 +295,11 @@ class Session:
         device: str | None = None,
         progress: Callable[[int, int, int], None] | None = None,
         daemon_args: Sequence[str] = (),
+        cpus: str | None = None,
     ) -> None:
         self.params = params
         self.daemon_args = list(daemon_args)
+        self.cpus = cpus
         self.ctrl = ctrl
         self.is_client = is_client
         self.out = out
@@ -337,6 +340,8 @@ class Session:
             settings.append(("Baseline", f"{p.baseline}{' only' if p.baseline_only else ''}"))
         if self.daemon_args:
             settings.append(("Daemon flags", " ".join(self.daemon_args)))
+        if self.cpus:
+            settings.append(("CPU placement", self.cpus))
         local = remote = None
         if self._ours is not None:
             local, remote = self._ours.addresses()

@@ -87,6 +87,24 @@ def _add_daemon_arg(p: argparse.ArgumentParser) -> None:
                    "(repeatable; write it with '=': its value starts with '--')")
 
 
+def _add_no_pin(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the CPUs of a local run's processes to the scheduler (by default each daemon has "
+                   "a CPU of its own, shared with the other side's application; see README)")
+
+
+def placement_from(args: argparse.Namespace) -> local.Placement | None:
+    """Where a local run's processes go (``--no-pin``: None).
+
+    Raises: UsageError for ``--no-pin`` without ``--local``.
+    """
+    if args.command == "perf" and not args.local:
+        if not args.pin:
+            raise UsageError("--no-pin goes with --local: it places the processes a local run starts")
+        return None
+    return local.default_placement(args.pin)
+
+
 def daemon_args_from(args: argparse.Namespace) -> list[str]:
     """The ``--daemon-arg`` flags, checked as the daemons would check them.
 
@@ -143,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal")
     perf.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # internal: --local's readiness pipe
     _add_daemon_arg(perf)
+    _add_no_pin(perf)
 
     demo = sub.add_parser("demo", help="two local daemons, write latency and bandwidth sweeps against raw UDP, a plot")
     demo.add_argument("--plot", metavar="FILE.png", default="udpverbs-demo.png", help="where the plot goes (default %(default)s)")
@@ -150,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("-n", "--iters", type=int, help="iterations per size (default: as perf, at most 16 MB per size)")
     demo.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
     _add_daemon_arg(demo)
+    _add_no_pin(demo)
     return parser
 
 
@@ -218,10 +238,12 @@ def run_client(
     progress,  # type: ignore[no-untyped-def]
     out: TextIO | None = None,
     daemon_args: Sequence[str] = (),
+    cpus: str | None = None,
 ) -> list[Row]:
     """Connect to a server, run the session, print the rows.
 
-    ``daemon_args``: the flags the local daemons were started with, for the banner.
+    ``daemon_args``: the flags the local daemons were started with, and
+    ``cpus``, where a local run's processes are (both for the banner).
     Returns: the rows.
     Raises: the run errors.
     """
@@ -229,39 +251,44 @@ def run_client(
     with connect(host, port, CONNECT_TIMEOUT_S, source_ip=bind) as ctrl:
         hello(ctrl, params)
         session = Session(params, ctrl, is_client=True, out=out, json_out=json_out, device=device, progress=progress,
-                          daemon_args=daemon_args)
+                          daemon_args=daemon_args, cpus=cpus)
         return session.run()
 
 
 def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | None = None,  # type: ignore[no-untyped-def]
-              daemon_args: Sequence[str] = ()) -> list[Row]:
+              daemon_args: Sequence[str] = (), placement: local.Placement | None = None) -> list[Row]:
     """Run both sides on this host: daemons (unless baseline-only), a server child, this client.
 
-    ``daemon_args``: more flags for both daemons (checked by ``daemon_args_from``).
+    ``daemon_args``: more flags for both daemons (checked by ``daemon_args_from``);
+    ``placement``: the CPUs of the four processes (None: the scheduler's
+    choice), this one's given back at the end.
     Returns: the rows.
     Raises: the run errors; every child is stopped by pid first.
     """
-    daemons = local.LocalDaemons(mtu=params.mtu, daemon_args=daemon_args)
+    daemons = local.LocalDaemons(mtu=params.mtu, daemon_args=daemon_args, placement=placement)
     server = None
     try:
         # Start the daemons and the server at once: the server opens its
         # daemon only when the client asks, after both are ready.
         if not params.baseline_only:
             daemons.start()
-        server = local.spawn_server(params.test, device=daemons.server_device)
+        server = local.spawn_server(params.test, device=daemons.server_device,
+                                    cpus=placement.server_app if placement else None)
         daemons.wait_ready()
         port = local.server_port(server)
-        rows = run_client(
-            params,
-            local.SERVER_IP,
-            port,
-            bind=local.CLIENT_IP,
-            device=daemons.client_device,
-            json_out=json_out,
-            progress=progress,
-            out=out,
-            daemon_args=daemon_args,
-        )
+        with local.pinned(placement.client_app if placement else None):
+            rows = run_client(
+                params,
+                local.SERVER_IP,
+                port,
+                bind=local.CLIENT_IP,
+                device=daemons.client_device,
+                json_out=json_out,
+                progress=progress,
+                out=out,
+                daemon_args=daemon_args,
+                cpus=placement.describe() if placement else "not pinned",
+            )
         status = local.wait_process(server.proc, local.STOP_GRACE_S)
         server = None
         if status != 0:
@@ -277,10 +304,12 @@ def cmd_perf(args: argparse.Namespace) -> int:
     """Run ``udpverbs perf``; returns the exit status."""
     params = params_from_args(args)
     daemon_args = daemon_args_from(args)
+    placement = placement_from(args)
     if args.plot:
         require_matplotlib()  # fail before a long sweep, not after it
     if args.local:
-        rows = run_local(params, json_out=args.json, progress=_progress(args), daemon_args=daemon_args)
+        rows = run_local(params, json_out=args.json, progress=_progress(args), daemon_args=daemon_args,
+                         placement=placement)
     elif args.peer:
         host, port = parse_peer(args.peer, args.port)
         rows = run_client(
@@ -298,6 +327,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run ``udpverbs demo``; returns the exit status."""
     rows: list[Row] = []
     daemon_args = daemon_args_from(args)
+    placement = placement_from(args)
     for test in ("write_lat", "write_bw"):
         try:
             params = PerfParams(
@@ -309,7 +339,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\n== udpverbs perf {test} --local -a --baseline raw-udp", flush=True)
         rows += run_local(params, json_out=args.json, progress=tty_progress(sys.stderr) if sys.stderr.isatty() else None,
-                          daemon_args=daemon_args)
+                          daemon_args=daemon_args, placement=placement)
     try:
         plot_rows(rows, args.plot, title="udpverbs demo: RDMA Write over udpverbs vs raw UDP")
         print(f"\nplot written to {args.plot}")

@@ -63,6 +63,7 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["write_lat", "--local", "--daemon-arg=--port=5"], "--local sets --port itself"),
         (["write_lat", "--local", "--daemon-arg=--mt=9000"], "--local sets --mtu itself (-m sets the MTU)"),
         (["write_lat", "--local", "--daemon-arg=--config=/nonexistent.toml"], "a --config file could set"),
+        (["write_lat", "--peer", "127.0.0.2", "--no-pin"], "--no-pin goes with --local"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from udpverbs import cli
-from udpverbs.bench import verbs_perf
+from udpverbs.bench import local, verbs_perf
 
 LAT = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p999_us"}
 BW = {"bw_peak_MBps", "bw_avg_MBps", "msg_rate_Mpps"}
@@ -123,6 +124,30 @@ def test_daemon_args_reach_both_local_daemons(capfd: pytest.CaptureFixture[str],
     assert client_stats["link_data_received"] >= 20 and client_stats["link_data_sent"] >= 20
     assert "rx_native_datagrams" not in client_stats and "tx_native_datagrams" not in client_stats
     assert " Daemon flags    : --log-level=INFO --no-native" in out  # the table says what it measured
+
+
+@pytest.mark.parametrize("no_pin", [False, True], ids=["pinned", "no_pin"])
+def test_local_run_places_its_client_and_gives_the_cpus_back(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_pin: bool) -> None:
+    before = os.sched_getaffinity(0)
+    during = []
+    real = cli.run_client
+
+    def recording(*a, **kw):  # type: ignore[no-untyped-def]
+        during.append(os.sched_getaffinity(0))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cli, "run_client", recording)
+    rc = cli.main(["perf", "write_lat", "-n", "20", "--local", *(["--no-pin"] if no_pin else [])])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert os.sched_getaffinity(0) == before
+    placement = local.default_placement(not no_pin)
+    if placement is None:
+        assert during == [before] and " CPU placement   : not pinned" in out
+    else:
+        assert during == [placement.client_app]
+        assert f" CPU placement   : {placement.describe()}" in out
 
 
 def test_send_lat_rnr_banner_says_the_latency_includes_the_delay(capsys: pytest.CaptureFixture[str]) -> None:
