@@ -378,6 +378,7 @@ class Session:
         self.closed = True
         d = self.device
         d.sessions.discard(self)
+        d.sessions_changed()
         d.remove_doorbell(self.doorbell)
         if d.cm is not None:
             d.cm.session_closed(self)
@@ -494,6 +495,7 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
         return
     sess = Session(device, conn, pid)
     device.sessions.add(sess)
+    device.sessions_changed()
     device.add_doorbell(sess.doorbell)
     device.watch(conn.fileno())
     try:

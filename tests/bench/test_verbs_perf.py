@@ -128,7 +128,8 @@ def test_daemon_args_reach_both_local_daemons(capfd: pytest.CaptureFixture[str],
 
 @pytest.mark.parametrize("no_pin", [False, True], ids=["pinned", "no_pin"])
 def test_local_run_places_its_client_and_gives_the_cpus_back(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_pin: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], client_stats: dict[str, int],
+        no_pin: bool) -> None:
     before = os.sched_getaffinity(0)
     during = []
     real = cli.run_client
@@ -145,9 +146,13 @@ def test_local_run_places_its_client_and_gives_the_cpus_back(
     placement = local.default_placement(not no_pin)
     if placement is None:
         assert during == [before] and " CPU placement   : not pinned" in out
+        # an application may run on the daemon's CPU: each delivery yields to it
+        assert client_stats["delivery_yields"] >= 20
     else:
         assert during == [placement.client_app]
         assert f" CPU placement   : {placement.describe()}" in out
+        # only the other side's application runs on the daemon's CPU: no yield
+        assert client_stats.get("delivery_yields", 0) == 0 and client_stats["link_data_received"] >= 20
 
 
 def test_send_lat_rnr_banner_says_the_latency_includes_the_delay(capsys: pytest.CaptureFixture[str]) -> None:
