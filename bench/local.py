@@ -103,12 +103,15 @@ class Placement:
     server_app: frozenset[int]
     client_app: frozenset[int]
 
-    def describe(self) -> str:
-        """One line for the banner, e.g. ``daemons CPU 0 (server), 1 (client); applications CPU 1 (server), 0 (client)``."""
+    def describe(self, daemons: bool = True) -> str:
+        """One line for the banner, e.g. ``daemons CPU 0 (server), 1 (client); applications CPU 1 (server), 0 (client)``
+        (``daemons=False``: a baseline-only run, which starts none)."""
         def cpus(s: frozenset[int]) -> str:
             return ",".join(map(str, sorted(s)))
-        return (f"daemons CPU {cpus(self.server_daemon)} (server), {cpus(self.client_daemon)} (client); "
-                f"applications CPU {cpus(self.server_app)} (server), {cpus(self.client_app)} (client)")
+        apps = f"applications CPU {cpus(self.server_app)} (server), {cpus(self.client_app)} (client)"
+        if not daemons:
+            return apps
+        return f"daemons CPU {cpus(self.server_daemon)} (server), {cpus(self.client_daemon)} (client); {apps}"
 
 
 def crossed_placement(cpus: Iterable[int]) -> Placement | None:

@@ -287,7 +287,7 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
                 progress=progress,
                 out=out,
                 daemon_args=daemon_args,
-                cpus=placement.describe() if placement else "not pinned",
+                cpus=placement.describe(daemons=not params.baseline_only) if placement else "not pinned",
             )
         status = local.wait_process(server.proc, local.STOP_GRACE_S)
         server = None

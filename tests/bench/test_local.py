@@ -77,6 +77,13 @@ def test_crossed_placement(cpus: list[int], expected: local.Placement | None) ->
     assert local.crossed_placement(cpus) == expected
 
 
+def test_placement_says_where_each_process_runs() -> None:
+    p = local.crossed_placement([0, 1])
+    assert p is not None
+    assert p.describe() == "daemons CPU 0 (server), 1 (client); applications CPU 1 (server), 0 (client)"
+    assert p.describe(daemons=False) == "applications CPU 1 (server), 0 (client)"  # a baseline-only run
+
+
 def test_no_pin_places_nothing() -> None:
     assert local.default_placement(False) is None
 
