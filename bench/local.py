@@ -171,9 +171,9 @@ def spawn(argv: Sequence[str], *, stdout: int | IO[bytes] | None = None, cpus: f
     os.close(w)  # only the child holds the write end now: EOF means it died
     child = Child(proc, r, " ".join(argv[:4]) + " …")
     if cpus is not None:
-        # Pinned from the parent before the interpreter it starts has
-        # imported anything, so before it has any thread that would keep
-        # the old mask (threads inherit their creator's).
+        # Pinned from the parent at once: the interpreter it starts is still
+        # importing, well before it starts a thread that would keep the old
+        # mask (threads inherit their creator's; a test checks every thread).
         try:
             os.sched_setaffinity(proc.pid, cpus)
         except OSError as e:

@@ -61,7 +61,7 @@ import socket
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import trio
 import trio.testing
@@ -359,7 +359,7 @@ def _arrival(stamp: float, now: float) -> float:
     return stamp if now - 1.0 < stamp <= now else now
 
 
-def may_share_a_cpu(pids: Any) -> bool:
+def may_share_a_cpu(pids: Iterable[int]) -> bool:
     """Whether any process in ``pids`` may run on a CPU this one may run on
     (by their affinity masks).  A mask that cannot be read (the process is
     gone, or not ours) counts as shared: that is the safe guess, since it only
