@@ -33,7 +33,6 @@ of sleeping or retrying a connect.  Children are stopped by pid in
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import select
@@ -279,10 +278,8 @@ def check_daemon_args(args: Sequence[str]) -> list[str]:
     from ..daemon import config as dconfig
 
     args = list(args)
-    parser = dconfig.parser()
-    parser.exit_on_error = False
     try:
-        given, _ = parser.parse_known_args(args)
+        given = dconfig.parse_flags(args)
         for flag in LOCAL_DAEMON_FLAGS:  # before configure reads a --config file
             if getattr(given, flag[2:].replace("-", "_")) is not None:
                 if flag == "--config":
@@ -290,7 +287,7 @@ def check_daemon_args(args: Sequence[str]) -> list[str]:
                 why = " (-m sets the MTU)" if flag == "--mtu" else ""
                 raise ValueError(f"--local sets {flag} itself{why}")
         dconfig.configure(args, exit_on_error=False)
-    except (ValueError, argparse.ArgumentError) as e:
+    except ValueError as e:
         raise ValueError(f"--daemon-arg: {e}") from None
     return args
 

@@ -83,6 +83,23 @@ def parser() -> argparse.ArgumentParser:
 _KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native")
 
 
+def parse_flags(argv: list[str] | None) -> argparse.Namespace:
+    """The flags alone, for a program that passes them on
+    (``udpverbs perf --local --daemon-arg``).
+
+    Raises: ValueError (not argparse's exit) for an unknown flag or a bad value.
+    """
+    p = parser()
+    p.exit_on_error = False
+    try:
+        args, extra = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    if extra:
+        raise ValueError(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
     """Merge defaults, the TOML file and flags into one dict.
 
@@ -94,17 +111,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
         SystemExit: bad flags (argparse, unless ``exit_on_error`` is false);
         ValueError: bad TOML keys or values, or bad flags.
     """
-    p = parser()
-    if exit_on_error:
-        args = p.parse_args(argv)
-    else:
-        p.exit_on_error = False
-        try:
-            args, extra = p.parse_known_args(argv)
-        except argparse.ArgumentError as e:
-            raise ValueError(str(e)) from None
-        if extra:
-            raise ValueError(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser().parse_args(argv) if exit_on_error else parse_flags(argv)
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
                            "cc": "efe-host", "gso": True, "native": True}
