@@ -61,13 +61,13 @@ import socket
 import struct
 import sys
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import trio
 import trio.testing
 
 from ..transport.congestion.base import create as create_cc
-from ..transport.link import Link, LinkConfig, LinkFailed, LinkUp
+from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkUp
 from ..transport.sockbuf import datagrams_that_fit
 from ..wire import ctl, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
@@ -979,76 +979,103 @@ class Device:
                     f"QP {qp.qpn} left out with WR {wr.wr_id} to complete"
 
     def _flush_link(self, pl: PeerLink) -> bool:
-        out = pl.link.datagrams_to_send(self.now, self._clock)
+        out = pl.link.bursts_to_send(self.now, self._clock)
         if not out or self.sock is None:
             return False
-        if self.gso and len(out) > 1:
+        if self.gso and (len(out) > 1 or type(out[0]) is Burst):
             self._send_segmented(out, pl.addr)
         else:
             self._send_each(out, pl.addr)
         return True
 
-    def _send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
+    def _send_each(self, out: Sequence[bytes | memoryview | Burst], addr: tuple[str, int]) -> None:
         """One ``sendto`` per datagram."""
         assert self.sock is not None
         sendto = self.sock.sendto
-        for d in out:
-            try:
-                sendto(d, addr)
-            except (BlockingIOError, InterruptedError):
-                self.stats["tx_dropped"] += 1  # the link retransmits it
-            except OSError:
-                self.stats["tx_oserror"] += 1
+        for item in out:
+            for d in item.datagrams() if type(item) is Burst else (item,):
+                try:
+                    sendto(d, addr)
+                except (BlockingIOError, InterruptedError):
+                    self.stats["tx_dropped"] += 1  # the link retransmits it
+                except OSError:
+                    self.stats["tx_oserror"] += 1
 
-    def _send_segmented(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
+    def _send_segmented(self, out: list[bytes | Burst], addr: tuple[str, int]) -> None:
         """Send ``out`` in runs of equal-size datagrams, one UDP_SEGMENT sendmsg per run.
 
         A run is datagrams of one size, at most GSO_MAX_SEGMENTS and
         GSO_MAX_BYTES, and may end with one shorter datagram (what the kernel
-        cuts the buffer into).  A run of one goes by plain sendto.
+        cuts the buffer into): a :class:`Burst` in as few such runs as it
+        takes, or datagrams queued one by one, grouped.  A run of one goes
+        by plain sendto.
         """
-        sock = self.sock
-        assert sock is not None
-        stats = self.stats
         i = 0
         n = len(out)
         while i < n:
-            size = len(out[i])
+            first = out[i]
+            if type(first) is Burst:
+                view, size = first.view, first.size
+                step = max(1, min(GSO_MAX_SEGMENTS, GSO_MAX_BYTES // size)) * size
+                total = len(view)
+                for at in range(0, total, step):
+                    if not self._send_run([view[at:at + step]], size, addr):
+                        rest = view[at + step:]
+                        self._send_each([Burst(rest, size, -(-len(rest) // size)), *out[i + 1:]], addr)
+                        return
+                i += 1
+                continue
+            size = len(first)
             j = i + 1
             total = size
             while j < n and j - i < GSO_MAX_SEGMENTS:
-                k = len(out[j])
+                d = out[j]
+                if type(d) is Burst:
+                    break
+                k = len(d)
                 if k > size or total + k > GSO_MAX_BYTES:
                     break
                 total += k
                 j += 1
                 if k < size:
                     break  # a shorter datagram can only end a run
-            try:
-                if j - i == 1:
-                    sock.sendto(out[i], addr)
-                else:
-                    sock.sendmsg(out[i:j], [(SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))], 0, addr)
-                    stats["tx_gso_sends"] += 1
-            except (BlockingIOError, InterruptedError):
-                stats["tx_dropped"] += j - i  # the link retransmits them
-            except OSError as e:
-                if j - i > 1 and e.errno in _GSO_REFUSED:
-                    # The kernel would not cut this run (EINVAL: e.g. a
-                    # segment larger than this route's MTU allows): send it
-                    # one by one.  A kernel that cannot segment at all
-                    # (EIO, ENOPROTOOPT, EOPNOTSUPP) is not asked again.
-                    stats["tx_gso_refused"] += 1
-                    if e.errno != errno.EINVAL:
-                        log.warning("UDP_SEGMENT refused (%s): sending datagrams one by one", e)
-                        self.gso = False
-                    if not self.gso:
-                        self._send_each(out[i:], addr)
-                        return
-                    self._send_each(out[i:j], addr)
-                else:
-                    stats["tx_oserror"] += j - i
+            if not self._send_run(out[i:j], size, addr):  # type: ignore[arg-type]
+                self._send_each(out[j:], addr)
+                return
             i = j
+
+    def _send_run(self, buffers: list[bytes | memoryview], size: int, addr: tuple[str, int]) -> bool:
+        """Send ``buffers`` (datagrams of ``size`` bytes, the last may be
+        shorter, in one or more buffers) by one UDP_SEGMENT sendmsg, or by
+        sendto if they are one datagram.  False: GSO is off from now on and
+        the caller sends the rest one by one (this run is sent)."""
+        sock = self.sock
+        assert sock is not None
+        stats = self.stats
+        count = -(-len(buffers[0]) // size) if len(buffers) == 1 else len(buffers)
+        try:
+            if count == 1:
+                sock.sendto(buffers[0], addr)
+            else:
+                sock.sendmsg(buffers, [(SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))], 0, addr)
+                stats["tx_gso_sends"] += 1
+        except (BlockingIOError, InterruptedError):
+            stats["tx_dropped"] += count  # the link retransmits them
+        except OSError as e:
+            if count > 1 and e.errno in _GSO_REFUSED:
+                # The kernel would not cut this run (EINVAL: e.g. a segment
+                # larger than this route's MTU allows): send it one by one.
+                # A kernel that cannot segment at all (EIO, ENOPROTOOPT,
+                # EOPNOTSUPP) is not asked again.
+                stats["tx_gso_refused"] += 1
+                if e.errno != errno.EINVAL:
+                    log.warning("UDP_SEGMENT refused (%s): sending datagrams one by one", e)
+                    self.gso = False
+                self._send_each([Burst(memoryview(buffers[0]), size, count)] if len(buffers) == 1 else buffers,
+                                addr)
+                return self.gso
+            stats["tx_oserror"] += count
+        return True
 
     def _passive_link(self, addr: tuple[str, int], data: bytes) -> PeerLink | None:
         # Only an INIT opens a link: garbage from anywhere must not cost state.

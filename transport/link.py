@@ -8,6 +8,9 @@ corrupted.  It does no I/O: the owner feeds it ``datagram_received(data,
 now)`` and ``timer_fired(now)``, queues messages with ``send``, and drains
 ``datagrams_to_send(now)``, ``drain_received()``, ``next_event()`` and
 ``next_deadline()`` (aioquic's shape).  Time is a float ``now`` in seconds.
+An owner that can send a buffer as several datagrams at once (UDP_SEGMENT)
+drains ``bursts_to_send(now)`` instead: the same datagrams, where a run the
+framer built stays one :class:`Burst`.
 
 Opening (a 2-way handshake with a proof of tag, as SCTP's verification tag):
 each side picks a random 32-bit *tag* and ISN.  INIT carries ours (conn_tag
@@ -185,6 +188,25 @@ class LinkStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Burst:
+    """``count`` datagrams of ``size`` bytes back to back in ``view`` (the
+    last may be shorter): a run the framer built in one buffer, the form a
+    UDP_SEGMENT send takes as it is.  Cutting it into one view per datagram
+    cost the sender more per datagram than framing it."""
+
+    __slots__ = ("view", "size", "count")
+
+    def __init__(self, view: memoryview, size: int, count: int) -> None:
+        self.view = view
+        self.size = size
+        self.count = count
+
+    def datagrams(self) -> list[memoryview]:
+        """One read-only view per datagram."""
+        view, size = self.view, self.size
+        return [view[i:i + size] for i in range(0, len(view), size)]
 
 
 class Link:
@@ -779,6 +801,23 @@ class Link:
         """Complete link packets that may leave now (cwnd, rwnd and pacing respected):
         bytes, or read-only views of one buffer for a run the framer built.
 
+        ``clock``: as for :meth:`bursts_to_send`.
+        """
+        out = self.bursts_to_send(now, clock)
+        if not self.framed_datagrams or not any(type(d) is Burst for d in out):
+            return out  # type: ignore[return-value]
+        flat: list[bytes | memoryview] = []
+        for d in out:
+            if type(d) is Burst:
+                flat.extend(d.datagrams())
+            else:
+                flat.append(d)
+        return flat
+
+    def bursts_to_send(self, now: float, clock: Any = None) -> list[bytes | Burst]:
+        """As :meth:`datagrams_to_send`, but a run the framer built is one
+        :class:`Burst`, not one view per datagram.
+
         ``clock``, if given, returns the time (as ``now``) and stamps each
         DATA packet as it is built: a burst takes a while to build, and its
         last packet (the one whose timestamp the peer echoes) would otherwise
@@ -918,10 +957,11 @@ class Link:
     def _frame_run(self, out: list[Any], run: tuple[int, int, bytearray, int, int], n: int, limit: int,
                    now: float, clock: Any, ack: int, rwnd: int) -> tuple[int, int]:
         """First transmission of messages ``n``, ``n + 1``, ... of ``run``: as
-        many as the window and the pacer let ``datagrams_to_send``'s loop send,
-        framed in one compiled call (the same bytes as that loop's, a clock
-        read once for the whole run).  Returns how many and their bytes; 0
-        messages: the loop's own code decides what holds message ``n`` back."""
+        many as the window and the pacer let ``bursts_to_send``'s loop send,
+        framed in one compiled call into one :class:`Burst` (the same bytes
+        as that loop's, a clock read once for the whole run).  Returns how
+        many and their bytes; 0 messages: the loop's own code decides what
+        holds message ``n`` back."""
         n0, end, buf, stride, last_len = run
         if end > limit:
             end = limit
@@ -978,8 +1018,9 @@ class Link:
             ffi.release(src)
             ffi.release(dst)
         self.framed_datagrams += k
-        view = memoryview(packet).toreadonly()  # no copy: the device sends the views as they are
-        out.extend([view[i:i + full] for i in range(0, total, full)])
+        # no copy: the owner sends the buffer as it is
+        out.append(Burst(memoryview(packet).toreadonly(), full, k))
+        self.stats.datagrams_sent += k - 1  # the caller counts the Burst as one
         return k, total
 
     # --- timers -------------------------------------------------------------

@@ -23,6 +23,7 @@ from udpverbs.daemon import tables
 from udpverbs.daemon.control import Session, modify_qp
 from udpverbs.daemon.device import Device, DeviceConfig
 from udpverbs.daemon.qp import CompletionQueue, QueuePair
+from udpverbs.transport.link import Burst
 from udpverbs.transport.sockbuf import skb_truesize
 from udpverbs.wire import ctl, shm
 from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
@@ -252,6 +253,69 @@ def test_a_kernel_that_refuses_segmentation_gets_every_datagram_one_by_one() -> 
     assert [bufs[0] for _, bufs, _ in rec.sends] == out
     assert all(kind == "sendto" for kind, _, _ in rec.sends)
     assert dev.gso is False  # and it stays off
+    dev.sock = None
+    dev.close()
+
+
+def _burst(count: int, size: int, last: int, fill: int) -> Burst:
+    """``count`` datagrams of ``size`` bytes in one buffer, the last ``last`` long."""
+    data = b"".join(bytes([(fill + i) % 251]) * (size if i < count - 1 else last) for i in range(count))
+    return Burst(memoryview(data).toreadonly(), size, count)
+
+
+def _sent_datagrams(rec: RecordingSocket) -> list[bytes]:
+    """What left, cut as the kernel cuts a UDP_SEGMENT send."""
+    out = []
+    for kind, bufs, size in rec.sends:
+        data = b"".join(bytes(b) for b in bufs)
+        step = size if kind == "gso" else len(data)
+        out += [data[i:i + step] for i in range(0, len(data), step)]
+    return out
+
+
+def _flat(out: list[Any]) -> list[bytes]:
+    return [bytes(d) for item in out for d in (item.datagrams() if type(item) is Burst else (item,))]
+
+
+@pytest.mark.parametrize(("items", "expect"), [
+    # a framer's run goes as it is, in as many sends as the GSO limits need
+    ([(31, 1500, 1500)], [("gso", 31, 1500)]),
+    ([(45, 1500, 700)], [("gso", 43, 1500), ("gso", 2, 1500)]),
+    ([(70, 900, 900)], [("gso", 64, 900), ("gso", 6, 900)]),
+    ([(44, 1500, 1500)], [("gso", 43, 1500), ("sendto", 1, 1500)]),
+    # datagrams larger than a GSO send may carry: one sendto each
+    ([(3, 65300, 900)], [("sendto", 1, 65300), ("sendto", 1, 65300), ("sendto", 1, 900)]),
+    # queued datagrams around a run are grouped apart from it
+    ([1500, 1500, (3, 1500, 1500), 40], [("gso", 2, 1500), ("gso", 3, 1500), ("sendto", 1, 40)]),
+])
+def test_a_burst_leaves_in_as_few_sends_as_the_limits_allow(items: list[Any],
+                                                            expect: list[tuple[str, int, int]]) -> None:
+    dev = Device(DeviceConfig(port=0))
+    rec = RecordingSocket()
+    dev.sock = rec  # type: ignore[assignment]
+    out = [_burst(*it, fill=i) if isinstance(it, tuple) else bytes([i]) * it for i, it in enumerate(items)]
+    dev._send_segmented(out, ("127.0.0.9", 9))
+    got = [(kind, -(-sum(map(len, bufs)) // size) if kind == "gso" else 1, size) for kind, bufs, size in rec.sends]
+    assert got == expect
+    assert _sent_datagrams(rec) == _flat(out)  # every datagram once, in order
+    dev.sock = None
+    dev.close()
+
+
+@pytest.mark.parametrize("refused", [errno.EIO, errno.EINVAL])
+def test_a_refused_burst_goes_one_by_one(refused: int) -> None:
+    dev = Device(DeviceConfig(port=0))
+    dev.gso = True
+    rec = RecordingSocket(refuse_gso=True, refuse_errno=refused)
+    dev.sock = rec  # type: ignore[assignment]
+    out = [_burst(50, 1500, 300, fill=0), 40, _burst(3, 1000, 1000, fill=7)]
+    out[1] = bytes(40)
+    dev._send_segmented(out, ("127.0.0.9", 9))
+    assert all(kind == "sendto" for kind, _, _ in rec.sends)
+    assert _sent_datagrams(rec) == _flat(out)
+    assert dev.gso is (refused == errno.EINVAL)
+    # EIO: asked once, then never again; EINVAL: each run is tried
+    assert dev.stats["tx_gso_refused"] == (1 if refused == errno.EIO else 3)
     dev.sock = None
     dev.close()
 
