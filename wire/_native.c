@@ -49,13 +49,15 @@ static uint32_t crc32c_sw(uint32_t crc, const uint8_t *p, size_t n) {
 #include <nmmintrin.h>
 #define HAVE_HW_CRC 1
 /* One crc32 instruction has a latency of 3 cycles and a throughput of 1, so
-   long inputs run as three interleaved streams over blocks of BLK bytes,
-   joined by the linearity of the CRC register: reg(A|B|C, c) =
-   shift_2BLK(reg(A, c)) ^ shift_BLK(reg(B, 0)) ^ reg(C, 0), where shift_L is
-   the effect of L zero bytes (tables built once).  On a 64 KB datagram:
-   4.7 µs, where one stream took 9.2 (the crc32c package: 3.9). */
-enum { BLK = 2048 };
-static uint32_t shift1[4][256], shift2[4][256];
+   an input runs as three interleaved streams over blocks of L bytes, joined
+   by the linearity of the CRC register: reg(A|B|C, c) = shift_2L(reg(A, c))
+   ^ shift_L(reg(B, 0)) ^ reg(C, 0), where shift_L is the effect of L zero
+   bytes (tables built once).  Two block sizes: BLK for long inputs (on a
+   64 KB datagram 4.7 µs, where one stream took 9.2; the crc32c package:
+   3.9), SBLK so that a 1472-byte datagram is interleaved too (212 ns as one
+   stream: about 5 % of the sender's time per datagram). */
+enum { BLK = 2048, SBLK = 480 };
+static uint32_t shift1[4][256], shift2[4][256], sshift1[4][256], sshift2[4][256];
 static int shift_ready;
 
 __attribute__((target("sse4.2"))) static uint32_t zeros_hw(uint32_t r, size_t n) {
@@ -69,6 +71,8 @@ static void shift_init(void) {
         for (uint32_t b = 0; b < 256; b++) {
             shift1[j][b] = zeros_hw(b << (8 * j), BLK);
             shift2[j][b] = zeros_hw(b << (8 * j), 2 * BLK);
+            sshift1[j][b] = zeros_hw(b << (8 * j), SBLK);
+            sshift2[j][b] = zeros_hw(b << (8 * j), 2 * SBLK);
         }
     shift_ready = 1;
 }
@@ -77,24 +81,27 @@ static inline uint32_t shift(uint32_t t[4][256], uint32_t r) {
     return t[0][r & 0xFF] ^ t[1][(r >> 8) & 0xFF] ^ t[2][(r >> 16) & 0xFF] ^ t[3][r >> 24];
 }
 
+/* Three blocks of `len` bytes from p, continuing register c. */
+__attribute__((target("sse4.2"))) static inline uint64_t crc_3blocks(uint64_t c, const uint8_t *p, size_t len,
+                                                                      uint32_t t2[4][256], uint32_t t1[4][256]) {
+    uint64_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < len; i += 8) {
+        uint64_t a, b, d;
+        memcpy(&a, p + i, 8);
+        memcpy(&b, p + len + i, 8);
+        memcpy(&d, p + 2 * len + i, 8);
+        c = _mm_crc32_u64(c, a);
+        c1 = _mm_crc32_u64(c1, b);
+        c2 = _mm_crc32_u64(c2, d);
+    }
+    return shift(t2, (uint32_t)c) ^ shift(t1, (uint32_t)c1) ^ (uint32_t)c2;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const uint8_t *p, size_t n) {
     uint64_t c = ~crc;
-    if (n >= 3 * BLK && !shift_ready) shift_init();
-    while (n >= 3 * BLK) {
-        uint64_t c1 = 0, c2 = 0;
-        for (size_t i = 0; i < BLK; i += 8) {
-            uint64_t a, b, d;
-            memcpy(&a, p + i, 8);
-            memcpy(&b, p + BLK + i, 8);
-            memcpy(&d, p + 2 * BLK + i, 8);
-            c = _mm_crc32_u64(c, a);
-            c1 = _mm_crc32_u64(c1, b);
-            c2 = _mm_crc32_u64(c2, d);
-        }
-        c = shift(shift2, (uint32_t)c) ^ shift(shift1, (uint32_t)c1) ^ (uint32_t)c2;
-        p += 3 * BLK;
-        n -= 3 * BLK;
-    }
+    if (n >= 3 * SBLK && !shift_ready) shift_init();
+    for (; n >= 3 * BLK; p += 3 * BLK, n -= 3 * BLK) c = crc_3blocks(c, p, BLK, shift2, shift1);
+    for (; n >= 3 * SBLK; p += 3 * SBLK, n -= 3 * SBLK) c = crc_3blocks(c, p, SBLK, sshift2, sshift1);
     while (n >= 8) {
         uint64_t v;
         memcpy(&v, p, 8);

@@ -226,7 +226,8 @@ def test_crc32c_matches_the_crc32c_package() -> None:
 
     assert mod is not None
     rng = random.Random(5)
-    for n in [0, 1, 7, 8, 9, 1468, 6143, 6144, 6145, 12_289, 65_503, 200_000]:
+    # around both interleaving thresholds (3 × 480, 3 × 2048) and a 1472-byte datagram's body
+    for n in [0, 1, 7, 8, 9, 1439, 1440, 1441, 1468, 2887, 6143, 6144, 6145, 7584, 7585, 12_289, 65_503, 200_000]:
         data = rng.randbytes(n)
         for start in (0, 0xDEADBEEF):
             assert mod.lib.udpv_crc32c(start, data, n) == crc32c(data, start), n
