@@ -61,13 +61,13 @@ import socket
 import struct
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import trio
 import trio.testing
 
 from ..transport.congestion.base import create as create_cc
-from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkUp
+from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkUp, one_per_datagram
 from ..transport.sockbuf import datagrams_that_fit
 from ..wire import ctl, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
@@ -979,27 +979,28 @@ class Device:
                     f"QP {qp.qpn} left out with WR {wr.wr_id} to complete"
 
     def _flush_link(self, pl: PeerLink) -> bool:
-        out = pl.link.bursts_to_send(self.now, self._clock)
+        link = pl.link
+        gso = self.gso
+        out = (link.bursts_to_send if gso else link.datagrams_to_send)(self.now, self._clock)
         if not out or self.sock is None:
             return False
-        if self.gso and (len(out) > 1 or type(out[0]) is Burst):
+        if gso and (len(out) > 1 or type(out[0]) is Burst):
             self._send_segmented(out, pl.addr)
         else:
-            self._send_each(out, pl.addr)
+            self._send_each(out, pl.addr)  # type: ignore[arg-type]
         return True
 
-    def _send_each(self, out: Sequence[bytes | memoryview | Burst], addr: tuple[str, int]) -> None:
+    def _send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
         """One ``sendto`` per datagram."""
         assert self.sock is not None
         sendto = self.sock.sendto
-        for item in out:
-            for d in item.datagrams() if type(item) is Burst else (item,):
-                try:
-                    sendto(d, addr)
-                except (BlockingIOError, InterruptedError):
-                    self.stats["tx_dropped"] += 1  # the link retransmits it
-                except OSError:
-                    self.stats["tx_oserror"] += 1
+        for d in out:
+            try:
+                sendto(d, addr)
+            except (BlockingIOError, InterruptedError):
+                self.stats["tx_dropped"] += 1  # the link retransmits it
+            except OSError:
+                self.stats["tx_oserror"] += 1
 
     def _send_segmented(self, out: list[bytes | Burst], addr: tuple[str, int]) -> None:
         """Send ``out`` in runs of equal-size datagrams, one UDP_SEGMENT sendmsg per run.
@@ -1020,8 +1021,7 @@ class Device:
                 total = len(view)
                 for at in range(0, total, step):
                     if not self._send_run([view[at:at + step]], size, addr):
-                        rest = view[at + step:]
-                        self._send_each([Burst(rest, size, -(-len(rest) // size)), *out[i + 1:]], addr)
+                        self._send_each(one_per_datagram([Burst(view[at + step:], size), *out[i + 1:]]), addr)
                         return
                 i += 1
                 continue
@@ -1040,7 +1040,7 @@ class Device:
                 if k < size:
                     break  # a shorter datagram can only end a run
             if not self._send_run(out[i:j], size, addr):  # type: ignore[arg-type]
-                self._send_each(out[j:], addr)
+                self._send_each(one_per_datagram(out[j:]), addr)
                 return
             i = j
 
@@ -1071,7 +1071,7 @@ class Device:
                 if e.errno != errno.EINVAL:
                     log.warning("UDP_SEGMENT refused (%s): sending datagrams one by one", e)
                     self.gso = False
-                self._send_each([Burst(memoryview(buffers[0]), size, count)] if len(buffers) == 1 else buffers,
+                self._send_each(Burst(memoryview(buffers[0]), size).datagrams() if len(buffers) == 1 else buffers,
                                 addr)
                 return self.gso
             stats["tx_oserror"] += count

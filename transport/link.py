@@ -191,22 +191,33 @@ class LinkStats:
 
 
 class Burst:
-    """``count`` datagrams of ``size`` bytes back to back in ``view`` (the
-    last may be shorter): a run the framer built in one buffer, the form a
-    UDP_SEGMENT send takes as it is.  Cutting it into one view per datagram
-    cost the sender more per datagram than framing it."""
+    """Datagrams of ``size`` bytes back to back in ``view`` (the last may be
+    shorter): a run the framer built in one buffer, the form a UDP_SEGMENT
+    send takes as it is.  Cutting it into one view per datagram cost the
+    sender more per datagram than framing it."""
 
-    __slots__ = ("view", "size", "count")
+    __slots__ = ("view", "size")
 
-    def __init__(self, view: memoryview, size: int, count: int) -> None:
+    def __init__(self, view: memoryview, size: int) -> None:
         self.view = view
         self.size = size
-        self.count = count
 
     def datagrams(self) -> list[memoryview]:
         """One read-only view per datagram."""
         view, size = self.view, self.size
         return [view[i:i + size] for i in range(0, len(view), size)]
+
+
+def one_per_datagram(out: list[Any]) -> list[bytes | memoryview]:
+    """``out`` (what :meth:`Link.bursts_to_send` returns) with each
+    :class:`Burst` cut into its datagrams."""
+    flat: list[bytes | memoryview] = []
+    for d in out:
+        if type(d) is Burst:
+            flat.extend(d.datagrams())
+        else:
+            flat.append(d)
+    return flat
 
 
 class Link:
@@ -804,15 +815,7 @@ class Link:
         ``clock``: as for :meth:`bursts_to_send`.
         """
         out = self.bursts_to_send(now, clock)
-        if not self.framed_datagrams or not any(type(d) is Burst for d in out):
-            return out  # type: ignore[return-value]
-        flat: list[bytes | memoryview] = []
-        for d in out:
-            if type(d) is Burst:
-                flat.extend(d.datagrams())
-            else:
-                flat.append(d)
-        return flat
+        return one_per_datagram(out) if self.framed_datagrams else out  # type: ignore[return-value]
 
     def bursts_to_send(self, now: float, clock: Any = None) -> list[bytes | Burst]:
         """As :meth:`datagrams_to_send`, but a run the framer built is one
@@ -1019,7 +1022,7 @@ class Link:
             ffi.release(dst)
         self.framed_datagrams += k
         # no copy: the owner sends the buffer as it is
-        out.append(Burst(memoryview(packet).toreadonly(), full, k))
+        out.append(Burst(memoryview(packet).toreadonly(), full))
         self.stats.datagrams_sent += k - 1  # the caller counts the Burst as one
         return k, total
 

@@ -23,7 +23,7 @@ from udpverbs.daemon import tables
 from udpverbs.daemon.control import Session, modify_qp
 from udpverbs.daemon.device import Device, DeviceConfig
 from udpverbs.daemon.qp import CompletionQueue, QueuePair
-from udpverbs.transport.link import Burst
+from udpverbs.transport.link import Burst, one_per_datagram
 from udpverbs.transport.sockbuf import skb_truesize
 from udpverbs.wire import ctl, shm
 from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
@@ -260,7 +260,7 @@ def test_a_kernel_that_refuses_segmentation_gets_every_datagram_one_by_one() -> 
 def _burst(count: int, size: int, last: int, fill: int) -> Burst:
     """``count`` datagrams of ``size`` bytes in one buffer, the last ``last`` long."""
     data = b"".join(bytes([(fill + i) % 251]) * (size if i < count - 1 else last) for i in range(count))
-    return Burst(memoryview(data).toreadonly(), size, count)
+    return Burst(memoryview(data).toreadonly(), size)
 
 
 def _sent_datagrams(rec: RecordingSocket) -> list[bytes]:
@@ -274,7 +274,7 @@ def _sent_datagrams(rec: RecordingSocket) -> list[bytes]:
 
 
 def _flat(out: list[Any]) -> list[bytes]:
-    return [bytes(d) for item in out for d in (item.datagrams() if type(item) is Burst else (item,))]
+    return [bytes(d) for d in one_per_datagram(out)]
 
 
 @pytest.mark.parametrize(("items", "expect"), [
