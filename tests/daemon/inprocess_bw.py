@@ -1,6 +1,7 @@
 """In-process Write stream: two Devices in one process, both loops turned by hand.
 
-Not a test: the measurement behind README's fifth- and sixth-round figures,
+Not a test: the measurement behind the fifth and sixth rounds' figures
+(docs/PERFORMANCE-HISTORY.md) and the README's whole-receive-pass row,
 which time each device's pass apart (what one datagram costs the sender's
 daemon and the receiver's) with no scheduler, applications or other
 processes in the way.
@@ -35,6 +36,10 @@ async def main(mtu: int, total: int, native: bool, nqp: int, depth: int, send: b
         await establish(a, b)
         n = total // WRITE
         per_qp = max(1, depth // nqp)
+        if per_qp > Host.QP_CAPS["max_send_wr"]:
+            # more would overrun the send queue ring and the stream would never start
+            raise SystemExit(f"--depth {depth} over {nqp} QP(s) is {per_qp} Writes per QP; "
+                             f"a test QP's send queue holds {Host.QP_CAPS['max_send_wr']}")
         if send:
             nqp, pairs, per_qp = 1, pairs[:1], min(depth, Host.QP_CAPS["max_recv_wr"])
             for i in range(per_qp):
