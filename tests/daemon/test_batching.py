@@ -308,8 +308,7 @@ def test_a_refused_burst_goes_one_by_one(refused: int) -> None:
     dev.gso = True
     rec = RecordingSocket(refuse_gso=True, refuse_errno=refused)
     dev.sock = rec  # type: ignore[assignment]
-    out = [_burst(50, 1500, 300, fill=0), 40, _burst(3, 1000, 1000, fill=7)]
-    out[1] = bytes(40)
+    out = [_burst(50, 1500, 300, fill=0), bytes(40), _burst(3, 1000, 1000, fill=7)]
     dev._send_segmented(out, ("127.0.0.9", 9))
     assert all(kind == "sendto" for kind, _, _ in rec.sends)
     assert _sent_datagrams(rec) == _flat(out)
