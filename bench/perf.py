@@ -63,6 +63,11 @@ MIN_DEFAULT_ITERS = 5
 CQ_MOD = 16
 #: The longest ``--rnr-delay-us`` (1 s): a run must stay far from the stall timeout.
 MAX_RNR_DELAY_US = 1_000_000
+#: perftest's default inline sizes for latency tests (its DEF_INLINE_WRITE and
+#: DEF_INLINE_SEND_RC_UC); bandwidth tests default to none, as there.
+DEFAULT_INLINE = {"write_lat": 220, "send_lat": 236}
+#: The largest ``-I`` accepted before asking the device (which says what it takes).
+MAX_INLINE_ARG = 4096
 
 
 class PerfUsageError(Exception):
@@ -139,6 +144,9 @@ class PerfParams:
     #: send_lat's receiver-not-ready path: the server posts each receive this
     #: many microseconds after its reply (0: receives stay pre-posted)
     rnr_delay_us: int = 0
+    #: perftest's -I: messages up to this many bytes are posted with
+    #: IBV_SEND_INLINE (None: perftest's default for the test)
+    inline_size: int | None = None
 
     @property
     def spec(self) -> TestSpec:
@@ -193,7 +201,19 @@ class PerfParams:
             why = f"{self.test} has no receives" if spec.is_latency else "bandwidth tests keep their receives posted"
             raise PerfUsageError(f"--rnr-delay-us drives send_lat's receiver-not-ready path: it does not apply to "
                                  f"{self.test} ({why})")
+        if self.inline_size is not None:
+            if not 0 <= self.inline_size <= MAX_INLINE_ARG:
+                raise PerfUsageError(f"-I must be between 0 and {MAX_INLINE_ARG} bytes")
+            if self.inline_size and spec.verb in ("read", "atomic"):
+                # what they send is a request; their data comes back into an SGE
+                raise PerfUsageError(f"-I does not apply to {self.test}: a Read or atomic sends no data inline")
         return self
+
+    def inline(self) -> int:
+        """Return the largest message posted inline (0: none)."""
+        if self.inline_size is not None:
+            return self.inline_size
+        return DEFAULT_INLINE.get(self.test, 0)
 
     def title(self) -> str:
         """Return the banner's title line (an RNR run says its latencies include the delay)."""
@@ -264,8 +284,9 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "test": (str,), "size": (int,), "all_sizes": (bool,), "iters": (int,), "duration_s": (int, float),
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
+    "inline_size": (int,),
 }  # fmt: skip
-_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume"}
+_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size"}
 
 
 def warmup_iters(iters: int) -> int:
@@ -333,6 +354,7 @@ class Session:
             ("TX depth", str(p.depth())),
             ("Mtu", f"{p.mtu}[B]"),
             ("Link type", "UDP/IPv4"),
+            ("Max inline data", f"{p.inline()}[B]"),
             ("Data ex. method", "Ethernet (TCP control connection)"),
             ("CQ Moderation", f"{p.cq_mod()}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
         ]

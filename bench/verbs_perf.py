@@ -219,8 +219,12 @@ class VerbsSide:
             cqe = max(16, 2 * self.depth * params.qps, self.rx_depth * params.qps)
             self.cq = verbs.CQ(self.ctx, min(cqe, dev.max_cqe))
             lat = spec.is_latency
+            self.inline = params.inline()
+            if self.inline > dev.max_inline_data:
+                self.close()
+                raise VerbsRunError(f"-I {self.inline}: the device takes at most {dev.max_inline_data} inline bytes")
             cap = verbs.QPCap(max_send_wr=max(16, self.depth), max_recv_wr=max(1, self.rx_depth), max_send_sge=1,
-                              max_recv_sge=1)  # fmt: skip
+                              max_recv_sge=1, max_inline_data=self.inline)  # fmt: skip
             init = verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1 if lat else 0)
             self.qps = [verbs.QP(self.pd, init) for _ in range(params.qps)]
             self.gid = self.ctx.query_gid()
@@ -304,10 +308,15 @@ class VerbsSide:
             wr.set_wr_atomic(r["rkey"], r["addr"] + self.half, compare_add=1, swap=0)
             return wr
         opcode = {"write": E.IBV_WR_RDMA_WRITE, "read": E.IBV_WR_RDMA_READ, "send": E.IBV_WR_SEND}[verb]
-        wr = v.SendWR(opcode=opcode, sg=[v.SGE(self.mr.buf, size, self.mr.lkey)], send_flags=E.IBV_SEND_SIGNALED)
+        wr = v.SendWR(opcode=opcode, sg=[v.SGE(self.mr.buf, size, self.mr.lkey)],
+                      send_flags=E.IBV_SEND_SIGNALED | self._inline_flag(size))
         if verb != "send":
             wr.set_wr_rdma(r["rkey"], r["addr"] + (self.half if verb == "write" else 0))
         return wr
+
+    def _inline_flag(self, size: int) -> int:
+        """IBV_SEND_INLINE for a message of ``size`` bytes up to -I (as perftest), else 0."""
+        return self.E.IBV_SEND_INLINE if size <= self.inline else 0
 
     def _post_recvs(self, qp: Any, count: int) -> None:
         """Post ``count`` receives on ``qp``, all into the landing half (one buffer, as perftest's)."""
@@ -625,6 +634,7 @@ class VerbsSide:
         poll = self.cq.poll
         idle = self._idle
         signaled = E.IBV_SEND_SIGNALED
+        inline = self._inline_flag(size)
         completions: list[int] = []
         start = clock()
         deadline = None if duration_s is None else start + int(duration_s * 1e9)
@@ -643,7 +653,7 @@ class VerbsSide:
                     n += 1
                     wr.wr_id = n
                     last = quota is not None and n == quota[k]
-                    wr.send_flags = signaled if (n % cq_mod == 0 or last) else 0
+                    wr.send_flags = (signaled if (n % cq_mod == 0 or last) else 0) | inline
                     qp.post_send(wr)
                     posted[k] = n
             if all(finished) and posted == done:

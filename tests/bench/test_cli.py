@@ -64,6 +64,10 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["write_lat", "--local", "--daemon-arg=--mt=9000"], "--local sets --mtu itself (-m sets the MTU)"),
         (["write_lat", "--local", "--daemon-arg=--config=/nonexistent.toml"], "a --config file could set"),
         (["write_lat", "--peer", "127.0.0.2", "--no-pin"], "--no-pin goes with --local"),
+        (["write_lat", "-I", "-1"], "-I must be between 0 and 4096"),
+        (["send_bw", "-I", "4097"], "-I must be between 0 and 4096"),
+        (["read_lat", "-I", "64"], "-I does not apply to read_lat"),
+        (["atomic_bw", "-I", "8"], "-I does not apply to atomic_bw"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,3 +170,20 @@ def test_rnr_delay_from_the_wire_is_checked() -> None:
     # a client that predates the flag sends no rnr_delay_us: off
     old = {k: v for k, v in good.items() if k != "rnr_delay_us"}
     assert PerfParams.from_wire(old).rnr_delay_us == 0
+
+
+def test_inline_size_defaults_as_perftest_and_travels_to_the_server() -> None:
+    # perftest: 220 bytes for ib_write_lat, 236 for ib_send_lat, none for the
+    # bandwidth tests unless -I asks
+    assert [_params(t).inline() for t in ("write_lat", "send_lat", "read_lat", "atomic_lat")] == [220, 236, 0, 0]
+    assert [_params(t).inline() for t in ("write_bw", "send_bw", "read_bw", "atomic_bw")] == [0, 0, 0, 0]
+    assert _params("write_lat", "-I", "0").inline() == 0
+    assert _params("read_lat", "-I", "0").inline() == 0  # 0 means none for every test, so scripts may pass it
+    p = _params("send_bw", "--inline-size", "64")
+    assert p.inline() == 64 and PerfParams.from_wire(p.to_wire()) == p
+    for bad in ({**p.to_wire(), "inline_size": "64"}, {**p.to_wire(), "inline_size": True}):
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+    # a client that predates the flag: the test's default
+    old = {k: v for k, v in _params("write_lat").to_wire().items() if k != "inline_size"}
+    assert PerfParams.from_wire(old).inline() == 220

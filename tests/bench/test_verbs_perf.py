@@ -244,3 +244,38 @@ def test_demo_prints_both_sweeps_and_writes_the_plot(tmp_path: Path, capsys: pyt
         assert png.read_bytes()[:4] == b"\x89PNG"
     else:  # the demo still succeeds, and says how to get the plot
         assert not png.exists() and "udpverbs[plot]" in err
+
+
+@pytest.mark.parametrize(
+    "argv, inline",
+    [
+        (["write_lat", "-s", "220", "-n", "20"], True),  # perftest's default: up to 220 bytes
+        (["write_lat", "-s", "221", "-n", "20"], False),
+        (["send_lat", "-s", "236", "-n", "20"], True),
+        (["write_bw", "-s", "64", "-n", "40", "-t", "8"], False),
+        (["send_bw", "-s", "64", "-n", "40", "-t", "8", "-I", "64"], True),
+    ],
+    ids=["write_lat_220", "write_lat_221", "send_lat_236", "write_bw", "send_bw_I64"],
+)
+def test_inline_size_decides_ibv_send_inline(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], inline: bool) -> None:
+    from udpverbs.verbs import QP, enums as E
+
+    flags: list[int] = []
+    real = QP.post_send
+
+    def recording(self, wr, bad_wr=None):  # type: ignore[no-untyped-def]
+        flags.append(int(wr.send_flags))
+        return real(self, wr, bad_wr)
+
+    monkeypatch.setattr(QP, "post_send", recording)  # this process is the client
+    rc, rows, err = _run(capsys, *argv, "--local", "--json")
+    assert rc == 0, err
+    _check_row(rows[0], argv, LAT if argv[0].endswith("lat") else BW, int(argv[argv.index("-n") + 1]))
+    assert flags and {bool(f & E.IBV_SEND_INLINE) for f in flags} == {inline}  # the data still arrived: _verify
+
+
+def test_inline_size_beyond_the_device_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rows, err = _run(capsys, "write_lat", "-n", "5", "-I", "300", "--local")
+    assert rc == 1 and not rows
+    assert "-I 300: the device takes at most 256 inline bytes" in err
