@@ -892,20 +892,45 @@ class Device:
             # no export may outlive the call: deregistration releases the view
             ffi.release(mem)
             ffi.release(buf)
-        if not k:
-            return 0
-        link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
-                               r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
-        if op == _OP_WRITE:
-            qp.rx_write_bytes += r.bytes
-        elif op == _OP_READ_RESPONSE:
-            rd.placed += r.bytes
-        else:
-            qp.rx_placed += r.bytes
-        self._delivered = True
-        self.stats["rx_native_datagrams"] += k
+        if k:
+            link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
+                                   r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
+            if op == _OP_WRITE:
+                qp.rx_write_bytes += r.bytes
+            elif op == _OP_READ_RESPONSE:
+                rd.placed += r.bytes
+            else:
+                qp.rx_placed += r.bytes
+            self._delivered = True
+            self.stats["rx_native_datagrams"] += k
         used = k * seg
-        return used if used < len(data) - off else len(data) - off
+        if used >= len(data) - off:
+            return len(data) - off
+        if r.peeked and self._write_rehint(pl):
+            # The next message is another QP's or region's Write (Writes
+            # over many QPs interleave): the lane takes it too, instead of
+            # the Python path taking its first segment to set the hint.
+            return used + self._place_run(pl, data, off + used, seg, now, arrived)
+        return used
+
+    def _write_rehint(self, pl: PeerLink) -> bool:
+        """Point ``pl``'s hint at the Write segment where the lane stopped
+        (``udpv_rx_run.next_*``), if it is an RDMA Write to a QP of this link
+        from that QP's peer, the lane's next call then taking it; False
+        (hint unchanged) for anything else."""
+        r = self._rx_run
+        # A DDP envelope's first word is its kind over the destination QPN:
+        # any other kind XORs to a number above every QPN.
+        qp = self.qps.get(r.next_w0 ^ segment._DDP_WORD)
+        ctrl_more, rctl, ctrl_last = _WRITE_CTRL
+        if (qp is None or qp.link is not pl or r.next_w1 != qp.dest_qpn or r.next_rctl != rctl
+                or (r.next_ctrl != ctrl_more and r.next_ctrl != ctrl_last)):
+            return False
+        hint = (qp, r.next_stag, _OP_WRITE)
+        if hint == pl.rx_hint:  # the lane stopped for something else: no second try
+            return False
+        pl.rx_hint = hint
+        return True
 
     def _qp_failed(self, qp: QueuePair) -> None:
         self.stats["qp_exception"] += 1

@@ -169,6 +169,14 @@ typedef struct {
     uint32_t first_rwnd, last_rwnd;
     uint32_t first_flags, flags_or;
     uint64_t bytes;
+    /* where the run stopped at a packet the link would take in order (its
+       CRC, tag, sequence and ACK field as the run's) but whose DDP words are
+       not the run's: that segment's envelope words, control bytes and STag,
+       so that the caller may point the lane at another QP or region (a
+       stream over many QPs interleaves their messages) */
+    uint32_t peeked;
+    uint32_t next_w0, next_w1, next_stag;
+    uint8_t next_ctrl, next_rctl;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem) {
@@ -177,6 +185,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
     size_t prefix = r->untagged ? UNTAGGED_PREFIX_LEN : TAGGED_PREFIX_LEN;
     r->bytes = 0;
     r->flags_or = 0;
+    r->peeked = 0;
     if (seg == 0) return 0;
     while (off < len && k < r->max_count) {
         size_t n = len - off < seg ? len - off : seg;
@@ -191,9 +200,16 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
            repeat it, or it moves and the Python path takes that packet) */
         if (k && ack != r->first_ack) break;
         const uint8_t *e = p + LINK_HEADER_LEN;
-        if (be32(e) != r->w0 || be32(e + 4) != r->w1) break;
-        if (e[9] != r->rctl || (e[8] != r->ctrl_more && e[8] != r->ctrl_last)) break;
-        if (be32(e + 10) != r->stag) break;
+        if (be32(e) != r->w0 || be32(e + 4) != r->w1 || e[9] != r->rctl ||
+            (e[8] != r->ctrl_more && e[8] != r->ctrl_last) || be32(e + 10) != r->stag) {
+            r->peeked = 1;
+            r->next_w0 = be32(e);
+            r->next_w1 = be32(e + 4);
+            r->next_ctrl = e[8];
+            r->next_rctl = e[9];
+            r->next_stag = be32(e + 10);
+            break;
+        }
         uint64_t to;
         if (r->untagged) {
             if (be32(e + 14) != 0 || be32(e + 18) != r->msn) break; /* QN, MSN */

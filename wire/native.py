@@ -83,6 +83,9 @@ typedef struct {
     uint32_t first_rwnd, last_rwnd;
     uint32_t first_flags, flags_or;
     uint64_t bytes;
+    uint32_t peeked;
+    uint32_t next_w0, next_w1, next_stag;
+    uint8_t next_ctrl, next_rctl;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem);

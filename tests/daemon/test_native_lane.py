@@ -26,7 +26,7 @@ from udpverbs.wire import link as wire_link, native, rdmap, segment
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import QPState as S, WrOpcode
 
-from .test_batching import MR_LEN, Host
+from .test_batching import MR_LEN, Host, establish, qp_pairs
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -328,6 +328,41 @@ def test_a_clean_stream_goes_through_the_lane_and_arrives_byte_exact() -> None:
         assert bytes(view[500_000:570_000]) == bytes(a.mr.view[:70_000])
         assert view[0] == a.mr.view[0]
 
+
+
+async def test_writes_interleaved_over_many_qps_stay_in_the_lane() -> None:
+    # Each QP's next message makes the lane stop at a segment of another QP:
+    # it points itself there instead of leaving that segment to the Python
+    # path (one datagram per message before, most of a 64-QP stream's cost).
+    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
+    try:
+        pairs = qp_pairs(a, b, 4)
+        await establish(a, b)
+        rng = random.Random(5)
+        a.mr.view[:] = rng.randbytes(MR_LEN)
+        length, rounds = 30_000, 3
+        for i in range(rounds):
+            for k, (qa, _) in enumerate(pairs):
+                at = (i * len(pairs) + k) * length
+                a.post_write(k, at, length, b, at, qp=qa)
+        done: list[tuple[int, int]] = []
+        for _ in range(20000):
+            a.dev.poll_once()
+            b.dev.poll_once()
+            done += a.completions()
+            if len(done) == rounds * len(pairs):
+                break
+        assert sorted(done) == sorted((k, 0) for k in range(len(pairs)) for _ in range(rounds))
+        total = rounds * len(pairs) * length
+        assert bytes(b.mr.view[:total]) == bytes(a.mr.view[:total])
+        assert not any(b.mr.view[total:])  # nothing placed past the Writes
+        received = b.dev.dump_stats()["link_data_received"]
+        assert received > 12 * 20  # 21 segments a Write
+        # the first segment sets the first hint; after it, only loss would leave the lane
+        assert b.dev.stats["rx_native_datagrams"] >= received - 1 - b.dev.dump_stats().get("link_retransmits", 0)
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.05])
