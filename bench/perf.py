@@ -68,6 +68,8 @@ MAX_RNR_DELAY_US = 1_000_000
 DEFAULT_INLINE = {"write_lat": 220, "send_lat": 236}
 #: The largest ``-I`` accepted before asking the device (which says what it takes).
 MAX_INLINE_ARG = 4096
+#: The largest ``-o`` accepted before asking the device (likewise).
+MAX_OUTS_ARG = 65536
 
 
 class PerfUsageError(Exception):
@@ -147,6 +149,9 @@ class PerfParams:
     #: perftest's -I: messages up to this many bytes are posted with
     #: IBV_SEND_INLINE (None: perftest's default for the test)
     inline_size: int | None = None
+    #: perftest's -o: Reads or atomics each QP keeps on the wire (its ORD,
+    #: and the server's IRD); None: as many as the device offers
+    outs: int | None = None
 
     @property
     def spec(self) -> TestSpec:
@@ -207,6 +212,11 @@ class PerfParams:
             if self.inline_size and spec.verb in ("read", "atomic"):
                 # what they send is a request; their data comes back into an SGE
                 raise PerfUsageError(f"-I does not apply to {self.test}: a Read or atomic sends no data inline")
+        if self.outs is not None:
+            if spec.verb not in ("read", "atomic"):
+                raise PerfUsageError(f"-o does not apply to {self.test}: it bounds the Reads and atomics in flight")
+            if not 1 <= self.outs <= MAX_OUTS_ARG:
+                raise PerfUsageError(f"-o must be between 1 and {MAX_OUTS_ARG}")
         return self
 
     def inline(self) -> int:
@@ -284,9 +294,9 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "test": (str,), "size": (int,), "all_sizes": (bool,), "iters": (int,), "duration_s": (int, float),
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
-    "inline_size": (int,),
+    "inline_size": (int,), "outs": (int,),
 }  # fmt: skip
-_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size"}
+_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs"}
 
 
 def warmup_iters(iters: int) -> int:
@@ -348,13 +358,21 @@ class Session:
         if self.json_out:
             return
         p = self.params
+        # perftest prints the inline size, or for Reads and atomics (which
+        # send nothing inline) how many may be outstanding
+        if p.spec.verb not in ("read", "atomic"):
+            verb_line = [("Max inline data", f"{p.inline()}[B]")]
+        elif self._ours is not None:
+            verb_line = [("Outstand reads", str(self._ours.rd_atom))]
+        else:
+            verb_line = []  # the baseline alone: no QP, no ORD
         settings = [
             ("Number of qps", f"{p.qps}\t\tTransport type : iWARP over UDP (udpverbs)"),
             ("Connection type", "RC\t\tUsing SRQ      : OFF"),
             ("TX depth", str(p.depth())),
             ("Mtu", f"{p.mtu}[B]"),
             ("Link type", "UDP/IPv4"),
-            ("Max inline data", f"{p.inline()}[B]"),
+            *verb_line,
             ("Data ex. method", "Ethernet (TCP control connection)"),
             ("CQ Moderation", f"{p.cq_mod()}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
         ]

@@ -43,7 +43,7 @@ Per message size:
   it keeps ``rx_depth`` receives posted on every QP (perftest's 512 shared
   among the QPs, at least twice ``tx_depth`` each), re-posting each as it
   completes, as perftest's ``ib_send_bw``.  Reads and atomics share the
-  QP's ORD/IRD budget (RFC 7306): at most ``min(tx_depth, max_qp_rd_atom)``
+  QP's ORD/IRD budget (RFC 7306): at most ``min(tx_depth, -o or max_qp_rd_atom)``
   are on the wire, the daemon holds the rest in the send queue.
 
 Every run ends with a check of what reached the server: the client says how
@@ -223,13 +223,17 @@ class VerbsSide:
             if self.inline > dev.max_inline_data:
                 self.close()
                 raise VerbsRunError(f"-I {self.inline}: the device takes at most {dev.max_inline_data} inline bytes")
+            if params.outs is not None and params.outs > dev.max_qp_rd_atom:
+                self.close()
+                raise VerbsRunError(f"-o {params.outs}: the device takes at most {dev.max_qp_rd_atom} "
+                                    "outstanding Reads and atomics per QP")
             cap = verbs.QPCap(max_send_wr=max(16, self.depth), max_recv_wr=max(1, self.rx_depth), max_send_sge=1,
                               max_recv_sge=1, max_inline_data=self.inline)  # fmt: skip
             init = verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1 if lat else 0)
             self.qps = [verbs.QP(self.pd, init) for _ in range(params.qps)]
             self.gid = self.ctx.query_gid()
             self.udp_port = self.ctx.query_port().lid
-            self.rd_atom = min(self.depth, dev.max_qp_rd_atom)
+            self.rd_atom = min(self.depth, params.outs or dev.max_qp_rd_atom)
         except (verbs.VerbsError, verbs.UserError, TimeoutError) as e:
             self.close()
             raise VerbsRunError(f"setting up udpverbs resources failed: {e}") from e

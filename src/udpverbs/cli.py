@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-I", "--inline-size", dest="inline_size", type=int, metavar="SIZE",
                       help="post messages up to SIZE bytes inline (IBV_SEND_INLINE: the data rides in the work "
                       "request); default as perftest's: 220 for write_lat, 236 for send_lat, 0 otherwise")
+    perf.add_argument("-o", "--outs", type=int, metavar="N",
+                      help="Reads or atomics in flight per QP (read and atomic tests: the QP's ORD and the "
+                      "server's IRD; default: what the device offers, at most the TX depth)")
     perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -197,6 +200,7 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             use_events=args.use_events,
             rnr_delay_us=args.rnr_delay_us,
             inline_size=args.inline_size,
+            outs=args.outs,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -68,6 +68,10 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["send_bw", "-I", "4097"], "-I must be between 0 and 4096"),
         (["read_lat", "-I", "64"], "-I does not apply to read_lat"),
         (["atomic_bw", "-I", "8"], "-I does not apply to atomic_bw"),
+        (["write_bw", "-o", "4"], "-o does not apply to write_bw"),
+        (["send_lat", "--outs", "1"], "-o does not apply to send_lat"),
+        (["read_bw", "-o", "0"], "-o must be between 1 and 65536"),
+        (["atomic_bw", "-o", "65537"], "-o must be between 1 and 65536"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,3 +191,17 @@ def test_inline_size_defaults_as_perftest_and_travels_to_the_server() -> None:
     # a client that predates the flag: the test's default
     old = {k: v for k, v in _params("write_lat").to_wire().items() if k != "inline_size"}
     assert PerfParams.from_wire(old).inline() == 220
+
+
+def test_outs_bounds_reads_and_atomics_and_travels_to_the_server() -> None:
+    assert _params("read_bw").outs is None and _params("atomic_lat").outs is None  # the device's offer
+    p = _params("read_bw", "-o", "4")
+    assert p.outs == 4 and PerfParams.from_wire(p.to_wire()) == p
+    assert _params("atomic_bw", "--outs", "2").outs == 2
+    for bad in ({**p.to_wire(), "outs": "4"}, {**p.to_wire(), "outs": True}, {**p.to_wire(), "outs": 0},
+                {**p.to_wire(), "test": "write_bw"}):  # fmt: skip
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+    # a client that predates the flag: what the device offers
+    old = {k: v for k, v in p.to_wire().items() if k != "outs"}
+    assert PerfParams.from_wire(old).outs is None

@@ -279,3 +279,31 @@ def test_inline_size_beyond_the_device_fails_clearly(capsys: pytest.CaptureFixtu
     rc, rows, err = _run(capsys, "write_lat", "-n", "5", "-I", "300", "--local")
     assert rc == 1 and not rows
     assert "-I 300: the device takes at most 256 inline bytes" in err
+
+
+@pytest.mark.parametrize("argv, ord_", [(["read_bw", "-o", "2"], 2), (["atomic_bw"], 16), (["read_bw", "-o", "12", "-t", "4"], 4)],
+                         ids=["o2", "device_max", "tx_depth_bounds"])
+def test_outs_sets_the_qps_ord_and_the_banner_says_so(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], ord_: int) -> None:
+    # perftest's -o: the client's QPs get it as their ORD (the server's as
+    # their IRD), and the banner's "Outstand reads" replaces "Max inline data"
+    seen: list[int] = []
+    real = verbs_perf.VerbsSide.close
+
+    def close(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "ctx", None) is not None and getattr(self, "qps", None):
+            seen.extend(qp.query()[0].max_rd_atomic for qp in self.qps)
+        real(self)
+
+    monkeypatch.setattr(verbs_perf.VerbsSide, "close", close)  # this process is the client
+    rc = cli.main(["perf", *argv, "-n", "40", "--local"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert seen == [ord_]
+    assert f"Outstand reads  : {ord_}" in out and "Max inline data" not in out
+
+
+def test_outs_beyond_the_device_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rows, err = _run(capsys, "read_bw", "-n", "5", "-o", "17", "--local")
+    assert rc == 1 and not rows
+    assert "-o 17: the device takes at most 16 outstanding Reads and atomics per QP" in err
