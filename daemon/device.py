@@ -927,7 +927,9 @@ class Device:
                 or (r.next_ctrl != ctrl_more and r.next_ctrl != ctrl_last)):
             return False
         hint = (qp, r.next_stag, _OP_WRITE)
-        if hint == pl.rx_hint:  # the lane stopped for something else: no second try
+        if hint == pl.rx_hint:
+            # Not expected (the lane stopped because these words differ from
+            # the hint's), but a call on the same hint must not recurse.
             return False
         pl.rx_hint = hint
         return True
