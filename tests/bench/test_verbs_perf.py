@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,18 +66,24 @@ def _check_row(row: dict, argv: list[str], keys: set[str], iters: int) -> None:
         assert set(row["ratio"]) == keys and row["baseline"]["iterations"] == iters
 
 
-@pytest.fixture
-def client_stats(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """The counters of the client's daemon (this process is the client), taken as its side closes."""
-    stats: dict[str, int] = {}
+def _at_client_close(monkeypatch: pytest.MonkeyPatch, take: Callable[[Any], object]) -> None:
+    """Call ``take(side)`` as the client's side closes (this process is the
+    client), while its context is still open."""
     real = verbs_perf.VerbsSide.close
 
     def close(self):  # type: ignore[no-untyped-def]
         if getattr(self, "ctx", None) is not None:
-            stats.update(self.ctx.query_stats())
+            take(self)
         real(self)
 
     monkeypatch.setattr(verbs_perf.VerbsSide, "close", close)
+
+
+@pytest.fixture
+def client_stats(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The counters of the client's daemon, taken as its side closes."""
+    stats: dict[str, int] = {}
+    _at_client_close(monkeypatch, lambda side: stats.update(side.ctx.query_stats()))
     return stats
 
 
@@ -288,14 +296,7 @@ def test_outs_sets_the_qps_ord_and_the_banner_says_so(
     # perftest's -o: the client's QPs get it as their ORD (the server's as
     # their IRD), and the banner's "Outstand reads" replaces "Max inline data"
     seen: list[int] = []
-    real = verbs_perf.VerbsSide.close
-
-    def close(self):  # type: ignore[no-untyped-def]
-        if getattr(self, "ctx", None) is not None and getattr(self, "qps", None):
-            seen.extend(qp.query()[0].max_rd_atomic for qp in self.qps)
-        real(self)
-
-    monkeypatch.setattr(verbs_perf.VerbsSide, "close", close)  # this process is the client
+    _at_client_close(monkeypatch, lambda side: seen.extend(qp.query()[0].max_rd_atomic for qp in getattr(side, "qps", ())))
     rc = cli.main(["perf", *argv, "-n", "40", "--local"])
     out, err = capsys.readouterr()
     assert rc == 0, err
