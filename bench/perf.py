@@ -33,13 +33,14 @@ import json
 import math
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
 from . import rawudp
 from .control import ControlChannel, ControlError
 from .report import RESULT_LINE, Row, Stats, banner, columns, format_row, row_from_json, row_json
-from .stats import bandwidth_stats, latency_stats
+from .stats import BandwidthStats, both_directions, bandwidth_stats, latency_stats
 
 #: Version of the control conversation; both sides must speak the same.
 #: 2: a udpverbs run ends with ``done`` both ways, the client's carrying its
@@ -152,6 +153,9 @@ class PerfParams:
     #: perftest's -o: Reads or atomics each QP keeps on the wire (its ORD,
     #: and the server's IRD); None: as many as the device offers
     outs: int | None = None
+    #: perftest's -b: both sides stream at once (bandwidth tests); the rows
+    #: report the two directions' sum
+    bidirectional: bool = False
 
     @property
     def spec(self) -> TestSpec:
@@ -217,6 +221,8 @@ class PerfParams:
                 raise PerfUsageError(f"-o does not apply to {self.test}: it bounds the Reads and atomics in flight")
             if not 1 <= self.outs <= MAX_OUTS_ARG:
                 raise PerfUsageError(f"-o must be between 1 and {MAX_OUTS_ARG}")
+        if self.bidirectional and spec.is_latency:
+            raise PerfUsageError(f"-b applies to bandwidth tests: {self.test} is a ping-pong, both ways already")
         return self
 
     def inline(self) -> int:
@@ -226,8 +232,10 @@ class PerfParams:
         return DEFAULT_INLINE.get(self.test, 0)
 
     def title(self) -> str:
-        """Return the banner's title line (an RNR run says its latencies include the delay)."""
+        """Return the banner's title line (perftest's under -b; an RNR run says its latencies include the delay)."""
         title = self.spec.title
+        if self.bidirectional:
+            title = title.replace(" BW Test", " Bidirectional BW Test")  # perftest's title under -b
         if self.rnr_delay_us:
             title += f" (RNR path: includes the server's {self.rnr_delay_us} usec receive delay)"
         return title
@@ -294,9 +302,13 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "test": (str,), "size": (int,), "all_sizes": (bool,), "iters": (int,), "duration_s": (int, float),
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
-    "inline_size": (int,), "outs": (int,),
+    "inline_size": (int,), "outs": (int,), "bidirectional": (bool,),
 }  # fmt: skip
 _OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs"}
+
+
+def _stats_obj(stats: Stats | None) -> dict[str, Any] | None:
+    return None if stats is None else dataclasses.asdict(stats)
 
 
 def warmup_iters(iters: int) -> int:
@@ -312,7 +324,8 @@ class Session:
     the daemon to use (``device``), a progress callback for the client, and
     the flags local daemons were started with (``daemon_args``) and where a
     local run's processes are (``cpus``), both shown in the banner so a
-    saved table says what it measured.
+    saved table says what it measured, and ``gbits`` (perftest's
+    ``--report_gbits``: the table's bandwidth in Gb/s; JSON keeps MB/s).
     """
 
     def __init__(
@@ -327,8 +340,10 @@ class Session:
         progress: Callable[[int, int, int], None] | None = None,
         daemon_args: Sequence[str] = (),
         cpus: str | None = None,
+        gbits: bool = False,
     ) -> None:
         self.params = params
+        self.gbits = gbits
         self.daemon_args = list(daemon_args)
         self.cpus = cpus
         self.ctrl = ctrl
@@ -339,6 +354,8 @@ class Session:
         self.progress = progress
         self.rows: list[Row] = []
         self._udp: socket.socket | None = None
+        #: -b: the socket of the server-to-client stream (``_udp`` carries the other)
+        self._udp_rev: socket.socket | None = None
         self._ours: Any = None
 
     # -- output -------------------------------------------------------------
@@ -351,7 +368,7 @@ class Session:
         if self.json_out:
             self._print(json.dumps(row_json(row)))
         else:
-            for line in format_row(row):
+            for line in format_row(row, gbits=self.gbits):
                 self._print(line)
 
     def _banner(self) -> None:
@@ -390,7 +407,7 @@ class Session:
             remote = "UDP {}:{}".format(*self._udp.getpeername())
         for line in banner(p.title(), settings, local, remote):
             self._print(line)
-        self._print(columns(p.spec.is_latency, p.baseline is not None and not p.baseline_only))
+        self._print(columns(p.spec.is_latency, p.baseline is not None and not p.baseline_only, gbits=self.gbits))
 
     # -- the conversation -----------------------------------------------------
     def run(self) -> list[Row]:
@@ -431,8 +448,10 @@ class Session:
                 ours = self._ours.run(size, iters, p.duration_s)
             if self._udp is not None:
                 base = self._run_raw(size, iters, run=k + 1)
+            if p.bidirectional:
+                ours, base = self._both_ways(ours, base)
             if self.is_client:
-                row = Row(p.test, size, ours, base, p.baseline or "raw-udp", p.rnr_delay_us)
+                row = Row(p.test, size, ours, base, p.baseline or "raw-udp", p.rnr_delay_us, p.bidirectional)
                 self.ctrl.send({"op": "row", "row": row_json(row)})
             else:
                 msg = self.ctrl.expect("row", STEP_TIMEOUT_S)
@@ -448,21 +467,52 @@ class Session:
             self._print(RESULT_LINE)
         return self.rows
 
+    def _both_ways(self, ours: Stats | None, base: Stats | None) -> tuple[Stats | None, Stats | None]:
+        """-b: the client adds the server's figures (its own stream) to its own, as perftest reports.
+
+        Returns: the server its own figures, the client the sums.
+        Raises: ControlError if the server's report is malformed.
+        """
+        if not self.is_client:
+            self.ctrl.send({"op": "bw-report", "ours": _stats_obj(ours), "baseline": _stats_obj(base)})
+            return ours, base
+        msg = self.ctrl.expect("bw-report", STEP_TIMEOUT_S)
+        sums: list[Stats | None] = []
+        for key, mine in (("ours", ours), ("baseline", base)):
+            theirs = msg.get(key)
+            if mine is None or theirs is None:
+                if (mine is None) != (theirs is None):
+                    raise ControlError(f"the server's report and ours disagree on whether {key} ran")
+                sums.append(None)
+                continue
+            try:
+                sums.append(both_directions(mine, BandwidthStats(**theirs)))  # type: ignore[arg-type]
+            except (TypeError, ValueError) as e:
+                raise ControlError(f"malformed bandwidth report from the server: {e}") from e
+        return sums[0], sums[1]
+
     def _open_udp(self) -> None:
         # The data sockets live on the addresses the control connection uses,
-        # so the baseline crosses the same path as the daemons' traffic.
-        sock = rawudp.open_socket(self.ctrl.local_ip())
+        # so the baseline crosses the same path as the daemons' traffic. -b
+        # takes a second pair for the stream the other way.
+        socks = [rawudp.open_socket(self.ctrl.local_ip()) for _ in range(2 if self.params.bidirectional else 1)]
         try:
-            ip, port = sock.getsockname()
-            peer = self.ctrl.exchange({"op": "udp", "addr": [ip, port]}, STEP_TIMEOUT_S)
-            addr = peer.get("addr")
-            if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str) and isinstance(addr[1], int)):
-                raise ControlError(f"malformed UDP address from the peer: {addr!r}")
-            sock.connect((addr[0], addr[1]))
+            mine = {"op": "udp", "addr": list(socks[0].getsockname())}
+            if len(socks) == 2:
+                mine["rev_addr"] = list(socks[1].getsockname())
+            peer = self.ctrl.exchange(mine, STEP_TIMEOUT_S)
+            for sock, key in zip(socks, ("addr", "rev_addr")):
+                addr = peer.get(key)
+                if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)
+                        and isinstance(addr[1], int)):  # fmt: skip
+                    raise ControlError(f"malformed UDP address from the peer: {addr!r}")
+                sock.connect((addr[0], addr[1]))
         except BaseException:
-            sock.close()
+            for sock in socks:
+                sock.close()
             raise
-        self._udp = sock
+        self._udp = socks[0]
+        self._udp_rev = socks[1] if len(socks) == 2 else None
 
     def _stop_when_done(self) -> bool:
         return self.ctrl.poll_step("done") is not None
@@ -478,6 +528,8 @@ class Session:
         sock = self._udp
         assert sock is not None
         self.ctrl.exchange({"op": "raw", "size": size, "run": run}, STEP_TIMEOUT_S)
+        if p.bidirectional:
+            return self._raw_both_ways(size, iters, run)
         if not self.is_client:
             if p.spec.is_latency:
                 rawudp.latency_server(
@@ -496,13 +548,61 @@ class Session:
             )
             self.ctrl.send({"op": "done"})
             return latency_stats(samples)
+        start, completions = self._raw_stream(sock, size, iters, run)
+        self.ctrl.send({"op": "done"})
+        return bandwidth_stats(size, start, completions, p.depth())
+
+    def _raw_stream(self, sock: socket.socket, size: int, iters: int, run: int) -> tuple[int, list[int]]:
+        p = self.params
         # An atomic is a small request answered by the word's old value, tx_depth of them in flight.
         answer = p.spec.verb == "atomic"
-        start, completions = rawudp.bandwidth_client(
+        return rawudp.bandwidth_client(
             sock, size, p.mtu, iters=iters, duration_s=p.duration_s, run=run, answer=answer,
             window=min(p.depth(), rawudp.default_window(sock, p.mtu)) if answer else None,
         )  # fmt: skip
-        self.ctrl.send({"op": "done"})
+
+    def _raw_both_ways(self, size: int, iters: int, run: int) -> Stats:
+        """-b's baseline: this side's stream from a second thread while this one receives the peer's.
+
+        Each side's ``done`` says its own stream has ended; receiving stops
+        once the peer's has come and the peer's stream has gone quiet.
+        Returns: this side's stream's figures.
+        Raises: the stream's BaselineError, ControlError.
+        """
+        p = self.params
+        assert self._udp is not None and self._udp_rev is not None
+        out, into = (self._udp, self._udp_rev) if self.is_client else (self._udp_rev, self._udp)
+        result: dict[str, Any] = {}
+
+        def stream() -> None:
+            try:
+                result["stream"] = self._raw_stream(out, size, iters, run)
+            except BaseException as e:  # re-raised below, in this thread
+                result["error"] = e
+
+        sender = threading.Thread(target=stream, name="raw-udp stream", daemon=True)
+        sender.start()
+        told = False
+
+        def stop() -> bool:
+            nonlocal told
+            if sender.is_alive():
+                return False
+            if "error" in result:
+                return True
+            if not told:
+                self.ctrl.send({"op": "done"})
+                told = True
+            return self._stop_when_done()
+
+        try:
+            rawudp.bandwidth_server(into, size, p.mtu, stop=stop, run=run, answer=p.spec.verb == "atomic")
+        finally:
+            # the stream gives up by itself within rawudp.GIVE_UP_S of silence
+            sender.join()
+        if "error" in result:
+            raise result["error"]
+        start, completions = result["stream"]
         return bandwidth_stats(size, start, completions, p.depth())
 
     def close(self) -> None:
@@ -510,9 +610,10 @@ class Session:
         if self._ours is not None:
             self._ours.close()
             self._ours = None
-        if self._udp is not None:
-            self._udp.close()
-            self._udp = None
+        for sock in (self._udp, self._udp_rev):
+            if sock is not None:
+                sock.close()
+        self._udp = self._udp_rev = None
 
 
 def hello(ctrl: ControlChannel, params: PerfParams) -> None:

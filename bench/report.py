@@ -29,6 +29,10 @@ LAT_COLUMNS = (
     "    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]"
 )
 BW_COLUMNS = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]"
+#: perftest's --report_gbits titles (10**9 bits per second)
+BW_COLUMNS_GBITS = " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]"
+#: MB/s (10**6 bytes) to Gb/s (10**9 bits)
+GBITS_PER_MBPS = 8 / 1000
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class Row:
     baseline_name: str = "raw-udp"
     #: send_lat's ``--rnr-delay-us``: the latencies include this server-side wait
     rnr_delay_us: int = 0
+    #: -b: the bandwidths and rates are both directions' sums
+    bidirectional: bool = False
 
     @property
     def main(self) -> Stats:
@@ -74,7 +80,10 @@ def row_json(row: Row) -> dict[str, Any]:
     keys) and ``ratio`` (ours / baseline for every figure; None where the
     baseline's figure is 0).  A send_lat run with ``--rnr-delay-us`` adds
     ``rnr_delay_us``: the server's delay before each receive, which the
-    latencies include.
+    latencies include.  A ``-b`` run adds ``"bidirectional": true``: its
+    bandwidths and message rates (and the baseline's) are the sums of both
+    directions, and ``iterations`` counts one direction's messages, as
+    perftest prints them.
     """
     main = row.main
     out: dict[str, Any] = {
@@ -85,6 +94,8 @@ def row_json(row: Row) -> dict[str, Any]:
     }
     if row.rnr_delay_us:
         out["rnr_delay_us"] = row.rnr_delay_us
+    if row.bidirectional:
+        out["bidirectional"] = True
     out.update(main.as_dict())
     if row.ours is not None and row.baseline is not None:
         out["baseline"] = {"name": row.baseline_name, "iterations": row.baseline.iterations, **row.baseline.as_dict()}
@@ -104,43 +115,51 @@ def row_from_json(obj: dict[str, Any]) -> Row:
     """
     main = _stats_from(obj)
     rnr = int(obj.get("rnr_delay_us", 0))
+    both = obj.get("bidirectional") is True
     if obj["transport"] == "udpverbs":
         base = _stats_from(obj["baseline"]) if "baseline" in obj else None
         name = obj["baseline"]["name"] if "baseline" in obj else "raw-udp"
-        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr)
-    return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]), rnr)
+        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr, both)
+    return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]), rnr, both)
 
 
-def columns(is_latency: bool, with_ratio: bool) -> str:
-    """Return the column-title line (perftest's, plus a ratio column with a baseline)."""
-    line = LAT_COLUMNS if is_latency else BW_COLUMNS
+def columns(is_latency: bool, with_ratio: bool, *, gbits: bool = False) -> str:
+    """Return the column-title line (perftest's, plus a ratio column with a baseline).
+
+    ``gbits``: bandwidth in Gb/s (perftest's --report_gbits).
+    """
+    line = LAT_COLUMNS if is_latency else BW_COLUMNS_GBITS if gbits else BW_COLUMNS
     return line + ("   ratio" if with_ratio else "")
 
 
-def _figures(bytes_: int, s: Stats) -> str:
+def _figures(bytes_: int, s: Stats, gbits: bool) -> str:
     if isinstance(s, LatencyStats):
         return (
             f" {bytes_:<7d} {s.iterations:<10d}    {s.t_min_us:<7.2f}        {s.t_max_us:<7.2f}"
             f"      {s.t_typical_us:<7.2f}            {s.t_avg_us:<7.2f}          {s.t_stdev_us:<7.2f}"
             f"         {s.p99_us:<7.2f}                 {s.p999_us:<7.2f}"
         )
+    unit = GBITS_PER_MBPS if gbits else 1.0
     return (
-        f" {bytes_:<7d}    {s.iterations:<10d}       {s.bw_peak_MBps:<7.2f}            "
-        f"{s.bw_avg_MBps:<7.2f}               {s.msg_rate_Mpps:<7.6f}"
+        f" {bytes_:<7d}    {s.iterations:<10d}       {s.bw_peak_MBps * unit:<7.2f}            "
+        f"{s.bw_avg_MBps * unit:<7.2f}               {s.msg_rate_Mpps:<7.6f}"
     )
 
 
-def format_row(row: Row) -> list[str]:
-    """Return the table lines of one row: ours (with the ratio), then the baseline."""
+def format_row(row: Row, *, gbits: bool = False) -> list[str]:
+    """Return the table lines of one row: ours (with the ratio), then the baseline.
+
+    ``gbits``: as :func:`columns`.
+    """
     if row.ours is None:
-        return [_figures(row.bytes, row.main) + f"   ({row.baseline_name})"]
+        return [_figures(row.bytes, row.main, gbits) + f"   ({row.baseline_name})"]
     if row.baseline is None:
-        return [_figures(row.bytes, row.ours)]
+        return [_figures(row.bytes, row.ours, gbits)]
     b = headline(row.baseline)
     ratio = f"{headline(row.ours) / b:.2f}x" if b else "-"
     return [
-        _figures(row.bytes, row.ours) + f"   {ratio}",
-        _figures(row.bytes, row.baseline) + f"   ({row.baseline_name})",
+        _figures(row.bytes, row.ours, gbits) + f"   {ratio}",
+        _figures(row.bytes, row.baseline, gbits) + f"   ({row.baseline_name})",
     ]
 
 

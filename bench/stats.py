@@ -130,3 +130,17 @@ def bandwidth_stats(
         bw_avg_MBps=avg_bps / 1e6,
         msg_rate_Mpps=rate_pps / 1e6,
     )
+
+
+def both_directions(mine: BandwidthStats, peer: BandwidthStats) -> BandwidthStats:
+    """Return what perftest's ``-b`` reports: both directions' bandwidths and rates added up.
+
+    Takes: this side's figures and the peer's (each for its own stream).
+    Returns: the sums; ``iterations`` stays this side's count, as perftest prints it.
+    """
+    return BandwidthStats(
+        iterations=mine.iterations,
+        bw_peak_MBps=mine.bw_peak_MBps + peer.bw_peak_MBps,
+        bw_avg_MBps=mine.bw_avg_MBps + peer.bw_avg_MBps,
+        msg_rate_Mpps=mine.msg_rate_Mpps + peer.msg_rate_Mpps,
+    )

@@ -8,8 +8,8 @@ daemon address (GID + UDP port) over the control connection, as perftest
 does out of band, then move their QPs to RTS.  The MR has two halves: the
 first is the source of what this side sends, the second is where the peer's
 RDMA Writes and Sends land, so a side never mistakes its own marker for the
-peer's (atomics: the server's counter word, and the old value the client
-fetches, start the second half).
+peer's (atomics: the counter word the peer adds to starts the second half,
+the old value a Fetch-and-Add fetches the first).
 
 Per message size:
 
@@ -32,9 +32,9 @@ Per message size:
   server's buffer, or one Fetch-and-Add of 1 on the 8-byte word at the
   start of the server's landing half, and busy-polls the CQ for its
   completion; the whole round trip is reported, as perftest does for reads
-  and atomics.  Each Fetch-and-Add's old value (host byte order, in this
-  side's landing half) must be the server's starting value plus the number
-  of adds before it.
+  and atomics.  Each Fetch-and-Add's old value (host byte order, at the
+  start of this side's first half) must be the server's starting value
+  plus the number of adds before it.
 * ``write_bw`` / ``read_bw`` / ``send_bw`` / ``atomic_bw``: the client
   keeps ``tx_depth`` WRs in flight on every QP, signals one WR in
   ``cq_mod`` (a signaled completion retires the unsignaled WRs before it on
@@ -45,13 +45,18 @@ Per message size:
   completes, as perftest's ``ib_send_bw``.  Reads and atomics share the
   QP's ORD/IRD budget (RFC 7306): at most ``min(tx_depth, -o or max_qp_rd_atom)``
   are on the wire, the daemon holds the rest in the send queue.
+* ``-b`` (bidirectional, as perftest's): both sides run the client's loop
+  at once, each into the other's landing half, and under send_bw both keep
+  receives posted and re-post them from the same CQ.  The server reports
+  its own stream's figures and the client adds them to its own.
 
 Every run ends with a check of what reached the server: the client says how
 many operations completed, and the server compares it with the receives it
 counted (send tests) or with how far its counter word advanced (atomics);
-a mismatch fails the run on both sides.  Data-path failures arrive as work
-completions with a status; the first bad status stops the run with
-:class:`VerbsRunError` naming it.
+a mismatch fails the run on both sides.  Under ``-b`` each side tells the
+other its count and checks the stream it received.  Data-path failures
+arrive as work completions with a status; the first bad status stops the
+run with :class:`VerbsRunError` naming it.
 """
 
 from __future__ import annotations
@@ -197,8 +202,9 @@ class VerbsSide:
         self.remote: dict[str, Any] = {}
         self._sends_out = 0  # send WRs posted and not yet completed (latency tests)
         self._recvs: collections.deque[Any] = collections.deque()  # receive completions not yet consumed
-        self._done: dict[str, Any] | None = None  # the client's "done", once the server has it
+        self._done: dict[str, Any] | None = None  # the peer's "done", once it has come
         self._count = 0  # operations this run: completed (client) or received (server)
+        self._received = 0  # send_bw: the peer's Sends received this run
         # How often (in turns) a waiting side looks at the clock and the control
         # connection: every turn under -e, where each turn may sleep EVENT_WAIT_S.
         self.check_every = 1 if params.use_events else CHECK_EVERY
@@ -206,8 +212,9 @@ class VerbsSide:
         try:
             dev = self.ctx.query_device()
             # Receives posted from the start: send_lat's server has one, the
-            # send_bw server rx_depth on every QP; the client posts its own as it goes.
-            if spec.verb != "send" or is_client:
+            # send_bw server (both sides under -b) rx_depth on every QP; the
+            # send_lat client posts its own as it goes.
+            if spec.verb != "send" or (is_client and not params.bidirectional):
                 self.rx_depth = 0
             elif spec.is_latency:
                 self.rx_depth = 1
@@ -216,7 +223,7 @@ class VerbsSide:
             self.pd = verbs.PD(self.ctx)
             self.mr = verbs.MR(self.pd, 2 * self.half, self.access)
             self._recv_wr = verbs.RecvWR(sg=[verbs.SGE(self.mr.buf + self.half, self.half, self.mr.lkey)])
-            cqe = max(16, 2 * self.depth * params.qps, self.rx_depth * params.qps)
+            cqe = max(16, (2 * self.depth + self.rx_depth) * params.qps)
             self.cq = verbs.CQ(self.ctx, min(cqe, dev.max_cqe))
             lat = spec.is_latency
             self.inline = params.inline()
@@ -231,6 +238,7 @@ class VerbsSide:
                               max_recv_sge=1, max_inline_data=self.inline)  # fmt: skip
             init = verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1 if lat else 0)
             self.qps = [verbs.QP(self.pd, init) for _ in range(params.qps)]
+            self._qp_index = {qp.qp_num: k for k, qp in enumerate(self.qps)}
             self.gid = self.ctx.query_gid()
             self.udp_port = self.ctx.query_port().lid
             self.rd_atom = min(self.depth, params.outs or dev.max_qp_rd_atom)
@@ -302,12 +310,13 @@ class VerbsSide:
         Writes go from this side's first half into the peer's landing half,
         Reads from the peer's first half into this side's, Sends from the
         first half; a Fetch-and-Add adds 1 to the word at the start of the
-        peer's landing half, its old value landing at the start of ours.
+        peer's landing half (its counter), its old value landing at the start
+        of our first half, so that under -b it never lands on our own counter.
         """
         v, E, r = self.v, self.E, self.remote
         verb = self.params.spec.verb
         if verb == "atomic":
-            wr = v.SendWR(opcode=E.IBV_WR_ATOMIC_FETCH_AND_ADD, sg=[v.SGE(self.mr.buf + self.half, 8, self.mr.lkey)],
+            wr = v.SendWR(opcode=E.IBV_WR_ATOMIC_FETCH_AND_ADD, sg=[v.SGE(self.mr.buf, 8, self.mr.lkey)],
                           send_flags=E.IBV_SEND_SIGNALED)  # fmt: skip
             wr.set_wr_atomic(r["rkey"], r["addr"] + self.half, compare_add=1, swap=0)
             return wr
@@ -332,9 +341,13 @@ class VerbsSide:
                 head = self.v.RecvWR(sg=self._recv_wr.sg, next_wr=head)
             qp.post_recv(head)
 
-    def _word(self) -> int:
-        """The 64-bit word at the start of the landing half, in host byte order (atomics)."""
-        return int.from_bytes(self.mr.mv[self.half : self.half + 8], sys.byteorder)
+    def _word(self, at: int) -> int:
+        """The 64-bit word at offset ``at`` of the MR, in host byte order (atomics)."""
+        return int.from_bytes(self.mr.mv[at : at + 8], sys.byteorder)
+
+    def _counter(self) -> int:
+        """The word the peer's Fetch-and-Adds advance: the start of the landing half."""
+        return self._word(self.half)
 
     # -- runs -------------------------------------------------------------------------
     def run(self, size: int, iters: int, duration_s: float | None) -> LatencyStats | BandwidthStats | None:
@@ -351,47 +364,76 @@ class VerbsSide:
             # Clear the landing marker before the barrier: after it the peer's
             # first message may land at any moment.
             self.mr.mv[self.half + size - 1] = 0
+        both = self.params.bidirectional
         mine: dict[str, Any] = {"op": "verbs-run", "size": size}
-        if spec.verb == "atomic" and not self.is_client:
-            mine["counter"] = self._word()
+        if spec.verb == "atomic" and (both or not self.is_client):
+            mine["counter"] = self._counter()
         peer = self.ctrl.exchange(mine, STEP_TIMEOUT_S)
         self._done = None
-        self._count = 0
+        self._count = self._received = 0
         warmup = warmup_iters(iters)
         result: LatencyStats | BandwidthStats | None = None
         try:
             if spec.name in ("write_lat", "send_lat"):
                 result = self._ping_pong(size, iters, duration_s, warmup)
+            elif both:
+                result = self._bw(size, iters, duration_s)  # -b: each side streams to the other
             elif not self.is_client:
                 # The other tests are one-sided but for send_bw's receives:
                 # the server's daemon answers, its application only waits.
                 if spec.name == "send_bw":
-                    self._send_bw_server(size)
+                    self._receive_sends(size)
+                    self._count = self._received
             elif spec.is_latency:
                 result = self._round_trip_lat(size, iters, duration_s, warmup, peer)
             else:
                 result = self._bw(size, iters, duration_s)
         except (self.v.VerbsError, self.v.UserError) as e:
             raise VerbsRunError(f"{spec.name} at {size} B: {e}") from e
+        if both:
+            self._finish_both_ways(size, mine.get("counter"), RUN_TIMEOUT_S + (duration_s or 0.0))
+            return result
         if self.is_client:
             self.ctrl.exchange({"op": "done", "count": self._count}, STEP_TIMEOUT_S)
             return result
         done = self._done or self.ctrl.expect("done", RUN_TIMEOUT_S + (duration_s or 0.0))
-        self._verify(size, _peer_int(done, "count"), mine.get("counter"))
+        self._verify(size, _peer_int(done, "count"), mine.get("counter"), self._count)
         self.ctrl.send({"op": "done"})
         return None
 
-    def _verify(self, size: int, count: int, counter: int | None) -> None:
-        """Server: compare the client's count of completed operations with what arrived here."""
+    def _finish_both_ways(self, size: int, counter: int | None, timeout_s: float) -> None:
+        """-b: tell the peer how many operations completed here, and check its count against what came.
+
+        Each side checks the stream it received, as the server alone does
+        without -b.  send_bw keeps re-posting receives until the peer's
+        Sends are all in: the peer's last ones may still need them.
+        """
+        self.ctrl.send({"op": "done", "count": self._count})
+        if self.params.spec.verb == "send":
+            self._receive_sends(size)
+            done = self._done
+            assert done is not None
+        else:
+            done = self.ctrl.expect("done", timeout_s)
+        self._verify(size, _peer_int(done, "count"), counter, self._received)
+
+    def _verify(self, size: int, count: int, counter: int | None, received: int) -> None:
+        """Compare the peer's count of completed operations with what arrived here.
+
+        Takes: the peer's count, this side's counter word before the run
+        (atomics, else None), and the Sends this side received.
+        """
         name = self.params.test
-        if self.params.spec.verb == "send" and self._count != count:
-            raise VerbsRunError(f"{name} at {size} B: the server received {self._count} Sends, "
-                                f"the client completed {count}")  # fmt: skip
+        me = "the server" if not self.is_client else "the client"
+        peer = "the client" if not self.is_client else "the server"
+        if self.params.spec.verb == "send" and received != count:
+            raise VerbsRunError(f"{name} at {size} B: {me} received {received} Sends, "
+                                f"{peer} completed {count}")  # fmt: skip
         if counter is not None:
-            advanced = (self._word() - counter) & _U64
+            advanced = (self._counter() - counter) & _U64
             if advanced != count:
-                raise VerbsRunError(f"{name}: the server's counter advanced by {advanced}, "
-                                    f"the client completed {count} Fetch-and-Adds")  # fmt: skip
+                raise VerbsRunError(f"{name}: {me}'s counter advanced by {advanced}, "
+                                    f"{peer} completed {count} Fetch-and-Adds")  # fmt: skip
 
     def _check(self, wcs: list[Any]) -> None:
         for wc in wcs:
@@ -575,8 +617,8 @@ class VerbsSide:
                 idle()
             t1 = clock()
             self._check(wcs)
-            if is_atomic and self._word() != (start + i) & _U64:
-                raise VerbsRunError(f"Fetch-and-Add {i} returned {self._word()}, expected {(start + i) & _U64} "
+            if is_atomic and self._word(0) != (start + i) & _U64:
+                raise VerbsRunError(f"Fetch-and-Add {i} returned {self._word(0)}, expected {(start + i) & _U64} "
                                     "(the server's counter before it)")  # fmt: skip
             if i >= warmup:
                 samples.append(t1 - t0)  # perftest reports a Read's (an atomic's) whole round trip
@@ -585,27 +627,36 @@ class VerbsSide:
         return latency_stats(samples)
 
     # -- bandwidth tests: tx_depth in flight ----------------------------------------------
-    def _send_bw_server(self, size: int) -> None:
-        """Count the client's Sends, re-posting each receive, until the client's count has arrived."""
+    def _take_receives(self, wcs: list[Any], size: int) -> list[Any]:
+        """Count the receive completions among ``wcs`` and re-post their receives; return the others."""
+        recv = self.E.IBV_WC_RECV
+        others = []
+        repost: dict[int, int] = {}
+        for wc in wcs:
+            if not wc.opcode & recv:
+                others.append(wc)
+                continue
+            if wc.byte_len != size:
+                raise VerbsRunError(f"Send {self._received}: received {wc.byte_len} B, expected {size} B")
+            k = self._qp_index.get(wc.qp_num, 0)
+            repost[k] = repost.get(k, 0) + 1
+            self._received += 1
+        for k, count in repost.items():
+            self._post_recvs(self.qps[k], count)
+        return others
+
+    def _receive_sends(self, size: int) -> None:
+        """Count the peer's Sends, re-posting each receive, until the peer's count of them has arrived."""
         poll = self.cq.poll
         idle = self._idle
-        index = {qp.qp_num: k for k, qp in enumerate(self.qps)}
         target: int | None = None
         spins = 0
         since = time.monotonic()
-        while target is None or self._count < target:
+        while target is None or self._received < target:
             n, wcs = poll(64)
             if n:
                 self._check(wcs)
-                repost: dict[int, int] = {}
-                for wc in wcs:
-                    if wc.byte_len != size:
-                        raise VerbsRunError(f"Send {self._count}: received {wc.byte_len} B, expected {size} B")
-                    k = index.get(wc.qp_num, 0)
-                    repost[k] = repost.get(k, 0) + 1
-                for k, count in repost.items():
-                    self._post_recvs(self.qps[k], count)
-                self._count += n
+                self._take_receives(wcs, size)
                 since = time.monotonic()
             spins += 1
             if spins % self.check_every == 0:
@@ -614,7 +665,7 @@ class VerbsSide:
                         assert self._done is not None
                         target = _peer_int(self._done, "count")
                         since = time.monotonic()
-                    self._stalled(since, f"receiving Sends ({self._count} so far)")
+                    self._stalled(since, f"receiving Sends ({self._received} so far)")
                 elif time.monotonic() - since > DRAIN_S:
                     break  # what has not arrived by now never will: _verify says so
             if not n:
@@ -633,7 +684,9 @@ class VerbsSide:
         posted = [0] * nq
         done = [0] * nq
         finished = [False] * nq
-        qpn_index = {qp.qp_num: k for k, qp in enumerate(self.qps)}
+        qpn_index = self._qp_index
+        # -b send_bw: the peer's Sends complete receives on the same CQ
+        receiving = self.params.bidirectional and self.params.spec.verb == "send"
         clock = time.perf_counter_ns
         poll = self.cq.poll
         idle = self._idle
@@ -666,6 +719,8 @@ class VerbsSide:
             if n:
                 now = clock()
                 self._check(wcs)
+                if receiving:
+                    wcs = self._take_receives(wcs, size)
                 for wc in wcs:
                     k = qpn_index.get(wc.qp_num, 0)
                     newly = wc.wr_id - done[k]

@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-o", "--outs", type=int, metavar="N",
                       help="Reads or atomics in flight per QP (read and atomic tests: the QP's ORD and the "
                       "server's IRD; default: what the device offers, at most the TX depth)")
+    perf.add_argument("-b", "--bidirectional", action="store_true",
+                      help="bandwidth tests: both sides stream at once, and each row reports the two directions' "
+                      "sum (as perftest's -b; the baseline streams both ways too)")
+    perf.add_argument("--report_gbits", "--report-gbits", dest="report_gbits", action="store_true",
+                      help="print bandwidth in Gb/s (10^9 bits) instead of MB/s (tables only: --json keeps MB/s)")
     perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -201,6 +206,7 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             rnr_delay_us=args.rnr_delay_us,
             inline_size=args.inline_size,
             outs=args.outs,
+            bidirectional=args.bidirectional,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None
@@ -231,7 +237,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> list[Row]
         listener.close()
     with ctrl:
         params = welcome(ctrl, args.test)
-        session = Session(params, ctrl, is_client=False, out=out, json_out=args.json, device=args.device)
+        session = Session(params, ctrl, is_client=False, out=out, json_out=args.json, device=args.device,
+                          gbits=args.report_gbits)
         return session.run()
 
 
@@ -247,11 +254,13 @@ def run_client(
     out: TextIO | None = None,
     daemon_args: Sequence[str] = (),
     cpus: str | None = None,
+    gbits: bool = False,
 ) -> list[Row]:
     """Connect to a server, run the session, print the rows.
 
     ``daemon_args``: the flags the local daemons were started with, and
-    ``cpus``, where a local run's processes are (both for the banner).
+    ``cpus``, where a local run's processes are (both for the banner);
+    ``gbits``: bandwidth in Gb/s (``--report_gbits``).
     Returns: the rows.
     Raises: the run errors.
     """
@@ -259,17 +268,18 @@ def run_client(
     with connect(host, port, CONNECT_TIMEOUT_S, source_ip=bind) as ctrl:
         hello(ctrl, params)
         session = Session(params, ctrl, is_client=True, out=out, json_out=json_out, device=device, progress=progress,
-                          daemon_args=daemon_args, cpus=cpus)
+                          daemon_args=daemon_args, cpus=cpus, gbits=gbits)
         return session.run()
 
 
 def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | None = None,  # type: ignore[no-untyped-def]
-              daemon_args: Sequence[str] = (), placement: local.Placement | None = None) -> list[Row]:
+              daemon_args: Sequence[str] = (), placement: local.Placement | None = None,
+              gbits: bool = False) -> list[Row]:
     """Run both sides on this host: daemons (unless baseline-only), a server child, this client.
 
     ``daemon_args``: more flags for both daemons (checked by ``daemon_args_from``);
     ``placement``: the CPUs of the four processes (None: the scheduler's
-    choice), this one's given back at the end.
+    choice), this one's given back at the end; ``gbits``: as :func:`run_client`.
     Returns: the rows.
     Raises: the run errors; every child is stopped by pid first.
     """
@@ -296,6 +306,7 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
                 out=out,
                 daemon_args=daemon_args,
                 cpus=placement.describe(daemons=not params.baseline_only) if placement else "not pinned",
+                gbits=gbits,
             )
         status = local.wait_process(server.proc, local.STOP_GRACE_S)
         server = None
@@ -317,11 +328,12 @@ def cmd_perf(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before a long sweep, not after it
     if args.local:
         rows = run_local(params, json_out=args.json, progress=_progress(args), daemon_args=daemon_args,
-                         placement=placement)
+                         placement=placement, gbits=args.report_gbits)
     elif args.peer:
         host, port = parse_peer(args.peer, args.port)
         rows = run_client(
-            params, host, port, bind=args.bind, device=args.device, json_out=args.json, progress=_progress(args)
+            params, host, port, bind=args.bind, device=args.device, json_out=args.json, progress=_progress(args),
+            gbits=args.report_gbits,
         )
     else:
         rows = run_server(args)

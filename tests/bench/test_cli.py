@@ -72,6 +72,8 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["send_lat", "--outs", "1"], "-o does not apply to send_lat"),
         (["read_bw", "-o", "0"], "-o must be between 1 and 65536"),
         (["atomic_bw", "-o", "65537"], "-o must be between 1 and 65536"),
+        (["write_lat", "-b"], "-b applies to bandwidth tests: write_lat is a ping-pong"),
+        (["atomic_lat", "--bidirectional"], "-b applies to bandwidth tests"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,3 +207,23 @@ def test_outs_bounds_reads_and_atomics_and_travels_to_the_server() -> None:
     # a client that predates the flag: what the device offers
     old = {k: v for k, v in p.to_wire().items() if k != "outs"}
     assert PerfParams.from_wire(old).outs is None
+
+
+def test_bidirectional_names_itself_as_perftest_and_travels_to_the_server() -> None:
+    p = _params("send_bw", "-b")
+    assert p.bidirectional and PerfParams.from_wire(p.to_wire()) == p
+    assert p.title() == "Send Bidirectional BW Test" and _params("send_bw").title() == "Send BW Test"
+    assert _params("atomic_bw", "--bidirectional").title() == "Atomic FETCH_AND_ADD Bidirectional BW Test"
+    for bad in ({**p.to_wire(), "bidirectional": 1}, {**p.to_wire(), "test": "send_lat"}):
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+    # a client that predates the flag: one direction
+    old = {k: v for k, v in p.to_wire().items() if k != "bidirectional"}
+    assert PerfParams.from_wire(old).bidirectional is False
+
+
+def test_report_gbits_is_parsed_in_both_spellings() -> None:
+    parse = cli.build_parser().parse_args
+    assert parse(["perf", "write_bw", "--report_gbits"]).report_gbits
+    assert parse(["perf", "write_bw", "--report-gbits"]).report_gbits
+    assert not parse(["perf", "write_bw"]).report_gbits

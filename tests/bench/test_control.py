@@ -124,3 +124,31 @@ def test_baseline_session_in_two_threads_prints_the_same_rows_on_both_sides() ->
     base = rows[0].baseline
     assert rows[0].ours is None and base is not None and base.iterations == 20
     assert 0 < base.t_min_us <= base.t_typical_us <= base.t_max_us
+
+
+def test_bidirectional_baseline_adds_the_servers_stream_to_the_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    # -b: each side streams on its own socket pair while it receives the
+    # other's; the row is the client's stream plus the server's
+    params = PerfParams(test="write_bw", size=5000, iters=200, baseline="raw-udp", baseline_only=True,
+                        bidirectional=True).validate()  # fmt: skip
+    own: dict[bool, Any] = {}
+    real = Session._raw_both_ways
+
+    def recording(self, *a):  # type: ignore[no-untyped-def]
+        own[self.is_client] = stats = real(self, *a)
+        return stats
+
+    monkeypatch.setattr(Session, "_raw_both_ways", recording)
+    server, client = _pair()
+    out_s, out_c = io.StringIO(), io.StringIO()
+    with server, client:
+        t = _Thread(lambda: Session(params, server, is_client=False, out=out_s).run())
+        t.start()
+        rows = Session(params, client, is_client=True, out=out_c).run()
+        t.join(30.0)
+    assert t.error is None and rows == t.result
+    (row,) = rows
+    assert row.bidirectional and row.ours is None and row.baseline is not None
+    assert own[True].iterations == own[False].iterations == row.baseline.iterations == 200
+    assert row.baseline.bw_avg_MBps == pytest.approx(own[True].bw_avg_MBps + own[False].bw_avg_MBps)
+    assert all("RDMA_Write Bidirectional BW Test" in out.getvalue() for out in (out_s, out_c))

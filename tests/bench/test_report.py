@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from udpverbs.bench.report import BW_COLUMNS, LAT_COLUMNS, Row, columns, format_row, row_from_json, row_json
+from udpverbs.bench.report import (BW_COLUMNS, BW_COLUMNS_GBITS, LAT_COLUMNS, Row, columns, format_row, row_from_json,
+                                   row_json)
 from udpverbs.bench.stats import bandwidth_stats, latency_stats
 
 LAT_KEYS = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p999_us"}
@@ -65,3 +66,25 @@ def test_rnr_row_says_its_delay_and_survives_the_trip() -> None:
     baseline_only = Row("send_lat", 2, None, latency_stats([2_900_000]), rnr_delay_us=7)
     assert row_from_json(row_json(baseline_only)) == baseline_only
     assert "rnr_delay_us" not in row_json(_lat_row(True))
+
+
+def test_bidirectional_row_says_so_and_survives_the_trip() -> None:
+    stats = bandwidth_stats(65536, 0, [10**6, 2 * 10**6], 1)
+    row = Row("write_bw", 65536, stats, stats, bidirectional=True)
+    obj = json.loads(json.dumps(row_json(row)))
+    assert obj["bidirectional"] is True and row_from_json(obj) == row
+    assert "bidirectional" not in row_json(Row("write_bw", 65536, stats))
+    baseline_only = Row("write_bw", 65536, None, stats, bidirectional=True)
+    assert row_from_json(row_json(baseline_only)) == baseline_only
+
+
+def test_report_gbits_prints_gigabits_and_keeps_the_ratio() -> None:
+    # 65536 B every ms: 65.536 MB/s, 0.524288 Gb/s
+    ours = bandwidth_stats(65536, 0, [10**6 * k for k in range(1, 5)], 1)
+    base = bandwidth_stats(65536, 0, [2 * 10**6 * k for k in range(1, 5)], 1)
+    assert columns(False, True, gbits=True) == BW_COLUMNS_GBITS + "   ratio"
+    assert columns(True, False, gbits=True) == LAT_COLUMNS  # latency has no bandwidth column
+    mb = format_row(Row("write_bw", 65536, ours, base))[0].split()
+    gb = format_row(Row("write_bw", 65536, ours, base), gbits=True)[0].split()
+    assert mb[3] == "65.54" and gb[3] == "0.52"
+    assert mb[4] == gb[4] and mb[-1] == gb[-1] == "2.00x"  # message rate and ratio do not change

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from udpverbs.bench.stats import bandwidth_stats, latency_stats
+from udpverbs.bench.stats import BandwidthStats, both_directions, bandwidth_stats, latency_stats
 
 
 def test_latency_stats_exact() -> None:
@@ -62,3 +62,12 @@ def test_bandwidth_stats_rejects_empty_or_backwards() -> None:
         bandwidth_stats(1, 0, [], 1)
     with pytest.raises(ValueError):
         bandwidth_stats(1, 10, [5], 1)
+
+
+def test_both_directions_add_up_as_perftest_reports_them() -> None:
+    mine = BandwidthStats(iterations=100, bw_peak_MBps=300.0, bw_avg_MBps=200.0, msg_rate_Mpps=0.003)
+    peer = BandwidthStats(iterations=90, bw_peak_MBps=250.0, bw_avg_MBps=150.0, msg_rate_Mpps=0.002)
+    both = both_directions(mine, peer)
+    assert both.iterations == 100  # this side's count, as perftest prints it
+    assert (both.bw_peak_MBps, both.bw_avg_MBps) == (550.0, 350.0)
+    assert both.msg_rate_Mpps == pytest.approx(0.005)

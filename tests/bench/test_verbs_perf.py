@@ -308,3 +308,62 @@ def test_outs_beyond_the_device_fails_clearly(capsys: pytest.CaptureFixture[str]
     rc, rows, err = _run(capsys, "read_bw", "-n", "5", "-o", "17", "--local")
     assert rc == 1 and not rows
     assert "-o 17: the device takes at most 16 outstanding Reads and atomics per QP" in err
+
+
+@pytest.fixture
+def client_side(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What the client's side measured of its own stream (``own``) and the
+    peer's count it checked (``peer_count``, ``received``), under -b."""
+    seen: dict[str, Any] = {}
+    real_bw, real_verify = verbs_perf.VerbsSide._bw, verbs_perf.VerbsSide._verify
+
+    def bw(self, *a):  # type: ignore[no-untyped-def]
+        seen["own"] = stats = real_bw(self, *a)
+        return stats
+
+    def verify(self, size, count, counter, received):  # type: ignore[no-untyped-def]
+        seen.update(peer_count=count, received=received)
+        real_verify(self, size, count, counter, received)
+
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_bw", bw)
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_verify", verify)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["write_bw", "-s", "5000", "-n", "41", "-q", "2", "-t", "8", "--baseline", "raw-udp"],
+        ["read_bw", "-s", "4096", "-n", "30", "-t", "4"],
+        # both sides keep receives posted and re-post them from the CQ their Sends complete on
+        ["send_bw", "-s", "3000", "-n", "41", "-q", "2", "-t", "8"],
+        # each side's old values land beside the counter the other advances
+        ["atomic_bw", "-n", "100", "-t", "32"],
+    ],
+    ids=["write_bw", "read_bw", "send_bw", "atomic_bw"],
+)
+def test_bidirectional_run_streams_both_ways_and_adds_them_up(
+        capsys: pytest.CaptureFixture[str], client_side: dict[str, Any], argv: list[str]) -> None:
+    rc, rows, err = _run(capsys, *argv, "-b", "--local", "--json")
+    assert rc == 0, err
+    (row,) = rows
+    iters = int(argv[argv.index("-n") + 1])
+    _check_row(row, argv, BW, iters)
+    assert row["bidirectional"] is True
+    # the server ran its -n too, and the client checked what reached it
+    assert client_side["peer_count"] == iters
+    assert client_side["received"] == (iters if argv[0] == "send_bw" else 0)
+    # the row is the client's stream plus the server's
+    assert row["bw_avg_MBps"] > client_side["own"].bw_avg_MBps
+    assert row["msg_rate_Mpps"] > client_side["own"].msg_rate_Mpps
+
+
+def test_bidirectional_sends_for_a_duration_end_with_every_send_received(
+        capsys: pytest.CaptureFixture[str], client_side: dict[str, Any]) -> None:
+    # under -D the two sides stop at different counts: each keeps receiving
+    # until the other's count has come
+    rc, rows, err = _run(capsys, "send_bw", "-s", "2000", "-t", "8", "-D", "0.5", "-b", "--local", "--json")
+    assert rc == 0, err
+    (row,) = rows
+    assert row["bidirectional"] is True and row["iterations"] == client_side["own"].iterations > 0
+    assert client_side["received"] == client_side["peer_count"] > 0
