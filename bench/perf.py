@@ -71,6 +71,11 @@ DEFAULT_INLINE = {"write_lat": 220, "send_lat": 236}
 MAX_INLINE_ARG = 4096
 #: The largest ``-o`` accepted before asking the device (likewise).
 MAX_OUTS_ARG = 65536
+#: The largest ``-r`` accepted before asking the device (likewise).
+MAX_RX_DEPTH_ARG = 1 << 20
+#: send_bw: receives the receiving side keeps posted, shared out among its
+#: QPs (perftest's 512), and at least twice the TX depth on every QP.
+RX_DEPTH = 512
 
 
 class PerfUsageError(Exception):
@@ -156,6 +161,12 @@ class PerfParams:
     #: perftest's -b: both sides stream at once (bandwidth tests); the rows
     #: report the two directions' sum
     bidirectional: bool = False
+    #: perftest's --use_srq: the receiving side's QPs take their receives
+    #: from one shared receive queue (Send tests)
+    use_srq: bool = False
+    #: perftest's -r: receives send_bw keeps posted, shared out among the
+    #: QPs (None: RX_DEPTH, at least twice the TX depth on every QP)
+    rx_depth: int | None = None
 
     @property
     def spec(self) -> TestSpec:
@@ -221,6 +232,13 @@ class PerfParams:
                 raise PerfUsageError(f"-o does not apply to {self.test}: it bounds the Reads and atomics in flight")
             if not 1 <= self.outs <= MAX_OUTS_ARG:
                 raise PerfUsageError(f"-o must be between 1 and {MAX_OUTS_ARG}")
+        if self.use_srq and spec.verb != "send":
+            raise PerfUsageError(f"--use_srq does not apply to {self.test}: only Sends consume receives")
+        if self.rx_depth is not None:
+            if self.test != "send_bw":
+                raise PerfUsageError(f"-r does not apply to {self.test}: it sizes send_bw's posted receives")
+            if not 1 <= self.rx_depth <= MAX_RX_DEPTH_ARG:
+                raise PerfUsageError(f"-r must be between 1 and {MAX_RX_DEPTH_ARG}")
         if self.bidirectional and spec.is_latency:
             raise PerfUsageError(f"-b applies to bandwidth tests: {self.test} is a ping-pong, both ways already")
         return self
@@ -260,6 +278,16 @@ class PerfParams:
     def depth(self) -> int:
         """Return the number of messages kept in flight per QP."""
         return self.tx_depth if self.tx_depth is not None else self.spec.default_tx_depth
+
+    def rx_total(self) -> int:
+        """send_bw: the receives a receiving side keeps posted, all its QPs together (perftest's -r).
+
+        Default: RX_DEPTH, and at least twice the TX depth on every QP, so
+        that a window in flight always finds receives.
+        """
+        if self.rx_depth is not None:
+            return self.rx_depth
+        return self.qps * max(2 * self.depth(), -(-RX_DEPTH // self.qps))
 
     def cq_mod(self) -> int:
         """Return how many WRs share one signaled completion (perftest's cq_mod).
@@ -302,9 +330,9 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "test": (str,), "size": (int,), "all_sizes": (bool,), "iters": (int,), "duration_s": (int, float),
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
-    "inline_size": (int,), "outs": (int,), "bidirectional": (bool,),
+    "inline_size": (int,), "outs": (int,), "bidirectional": (bool,), "use_srq": (bool,), "rx_depth": (int,),
 }  # fmt: skip
-_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs"}
+_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs", "rx_depth"}
 
 
 def _stats_obj(stats: Stats | None) -> dict[str, Any] | None:
@@ -385,11 +413,12 @@ class Session:
             verb_line = []  # the baseline alone: no QP, no ORD
         settings = [
             ("Number of qps", f"{p.qps}\t\tTransport type : iWARP over UDP (udpverbs)"),
-            ("Connection type", "RC\t\tUsing SRQ      : OFF"),
+            ("Connection type", f"RC\t\tUsing SRQ      : {'ON' if p.use_srq else 'OFF'}"),
             ("TX depth", str(p.depth())),
             ("Mtu", f"{p.mtu}[B]"),
             ("Link type", "UDP/IPv4"),
             *verb_line,
+            *([("RX depth", str(self._ours.rx_total if self._ours else p.rx_total()))] if p.test == "send_bw" else []),
             ("Data ex. method", "Ethernet (TCP control connection)"),
             ("CQ Moderation", f"{p.cq_mod()}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
         ]

@@ -40,9 +40,11 @@ Per message size:
   ``cq_mod`` (a signaled completion retires the unsignaled WRs before it on
   that QP, RFC 5040 §5: completions are in order), and notes when each
   message completed.  The server is passive, except in ``send_bw``, where
-  it keeps ``rx_depth`` receives posted on every QP (perftest's 512 shared
+  it keeps ``-r`` receives posted (perftest's 512 by default, shared out
   among the QPs, at least twice ``tx_depth`` each), re-posting each as it
-  completes, as perftest's ``ib_send_bw``.  Reads and atomics share the
+  completes, as perftest's ``ib_send_bw``.  Under ``--use_srq`` the QPs of
+  a receiving side take their receives from one shared receive queue that
+  holds all of them.  Reads and atomics share the
   QP's ORD/IRD budget (RFC 7306): at most ``min(tx_depth, -o or max_qp_rd_atom)``
   are on the wire, the daemon holds the rest in the send queue.
 * ``-b`` (bidirectional, as perftest's): both sides run the client's loop
@@ -72,16 +74,13 @@ from .stats import BandwidthStats, LatencyStats, bandwidth_stats, latency_stats
 
 #: What the benchmarks need from udpverbs.verbs.
 REQUIRED = ("Context", "PD", "MR", "CQ", "QP", "QPInitAttr", "QPCap", "QPAttr", "SendWR", "RecvWR", "SGE", "AHAttr",
-            "GlobalRoute")
+            "GlobalRoute", "SRQ", "SrqInitAttr", "SrqAttr")
 #: A run that makes no progress for this long has failed.
 STALL_S = 30.0
 #: How often (in spins) a waiting side looks at the clock and the control connection.
 CHECK_EVERY = 256
 #: Under -e, the longest single sleep on the CQ before the stall check runs.
 EVENT_WAIT_S = 0.05
-#: send_bw: receives the server keeps posted, shared out among its QPs
-#: (perftest's 512), and at least twice the client's depth on every QP.
-RX_DEPTH = 512
 #: send_bw: once the client has said how many Sends completed, the longest the
 #: server waits, without a new receive completion, for the ones still missing.
 DRAIN_S = 2.0
@@ -205,6 +204,7 @@ class VerbsSide:
         self._done: dict[str, Any] | None = None  # the peer's "done", once it has come
         self._count = 0  # operations this run: completed (client) or received (server)
         self._received = 0  # send_bw: the peer's Sends received this run
+        self.srq: Any = None  # --use_srq's shared receive queue
         # How often (in turns) a waiting side looks at the clock and the control
         # connection: every turn under -e, where each turn may sleep EVENT_WAIT_S.
         self.check_every = 1 if params.use_events else CHECK_EVERY
@@ -219,7 +219,19 @@ class VerbsSide:
             elif spec.is_latency:
                 self.rx_depth = 1
             else:
-                self.rx_depth = min(dev.max_qp_wr, max(2 * self.depth, -(-RX_DEPTH // params.qps)))
+                self.rx_depth = -(-params.rx_total() // params.qps)
+            # --use_srq: one pool holds every QP's receives
+            self.srq_size = params.rx_total() if spec.name == "send_bw" and self.rx_depth else max(1, self.rx_depth)
+            where, posted = ("SRQ", self.srq_size) if params.use_srq else ("QP", self.rx_depth)
+            if params.rx_depth is not None and posted > dev.max_qp_wr:
+                self.close()
+                raise VerbsRunError(f"-r {params.rx_depth}: the device takes at most {dev.max_qp_wr} receives "
+                                    f"per {where}")  # fmt: skip
+            # the default follows -t and -q: the device's limit bounds it
+            self.rx_depth = min(self.rx_depth, dev.max_qp_wr)
+            self.srq_size = min(self.srq_size, dev.max_qp_wr)
+            #: send_bw: what a receiving side keeps posted, all QPs together (the banner's RX depth)
+            self.rx_total = min(params.rx_total(), dev.max_qp_wr * (1 if params.use_srq else params.qps))
             self.pd = verbs.PD(self.ctx)
             self.mr = verbs.MR(self.pd, 2 * self.half, self.access)
             self._recv_wr = verbs.RecvWR(sg=[verbs.SGE(self.mr.buf + self.half, self.half, self.mr.lkey)])
@@ -236,7 +248,10 @@ class VerbsSide:
                                     "outstanding Reads and atomics per QP")
             cap = verbs.QPCap(max_send_wr=max(16, self.depth), max_recv_wr=max(1, self.rx_depth), max_send_sge=1,
                               max_recv_sge=1, max_inline_data=self.inline)  # fmt: skip
-            init = verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1 if lat else 0)
+            if params.use_srq:
+                self.srq = verbs.SRQ(self.pd, verbs.SrqInitAttr(verbs.SrqAttr(max_wr=self.srq_size, max_sge=1)))
+            init = verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, srq=self.srq, cap=cap,
+                                    sq_sig_all=1 if lat else 0)  # fmt: skip
             self.qps = [verbs.QP(self.pd, init) for _ in range(params.qps)]
             self._qp_index = {qp.qp_num: k for k, qp in enumerate(self.qps)}
             self.gid = self.ctx.query_gid()
@@ -274,6 +289,8 @@ class VerbsSide:
             raise VerbsRunError(f"peer has {len(qpns)} QPs, we have {len(self.qps)}")
         v = self.v
         try:
+            if self.srq is not None and self.rx_depth:
+                self._post_recvs(self.qps[0], self.srq_size)
             for qp, dest in zip(self.qps, qpns):
                 attr = v.QPAttr(
                     qp_access_flags=self.access,
@@ -284,7 +301,8 @@ class VerbsSide:
                     rnr_retry=INFINITE_RNR_RETRY,
                 )
                 qp.to_rts(attr)
-                self._post_recvs(qp, self.rx_depth)
+                if self.srq is None:
+                    self._post_recvs(qp, self.rx_depth)
         except (v.VerbsError, v.UserError) as e:
             raise VerbsRunError(f"connecting the QPs failed: {e}") from e
         # Both QPs must be in RTS (and their receives posted) before either
@@ -332,7 +350,10 @@ class VerbsSide:
         return self.E.IBV_SEND_INLINE if size <= self.inline else 0
 
     def _post_recvs(self, qp: Any, count: int) -> None:
-        """Post ``count`` receives on ``qp``, all into the landing half (one buffer, as perftest's)."""
+        """Post ``count`` receives for ``qp`` (to the SRQ under --use_srq), all into the landing half
+        (one buffer, as perftest's)."""
+        if self.srq is not None:
+            qp = self.srq
         if count == 1:
             qp.post_recv(self._recv_wr)
         elif count > 1:

@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "sum (as perftest's -b; the baseline streams both ways too)")
     perf.add_argument("--report_gbits", "--report-gbits", dest="report_gbits", action="store_true",
                       help="print bandwidth in Gb/s (10^9 bits) instead of MB/s (tables only: --json keeps MB/s)")
+    perf.add_argument("--use_srq", "--use-srq", dest="use_srq", action="store_true",
+                      help="Send tests: the receiving QPs take their receives from one shared receive queue "
+                      "(as perftest's --use_srq)")
+    perf.add_argument("-r", "--rx-depth", dest="rx_depth", type=int, metavar="N",
+                      help="send_bw: receives kept posted, all QPs together (or the SRQ's size under --use_srq; "
+                      "default 512, at least twice the TX depth per QP)")
     perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -207,6 +213,8 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             inline_size=args.inline_size,
             outs=args.outs,
             bidirectional=args.bidirectional,
+            use_srq=args.use_srq,
+            rx_depth=args.rx_depth,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

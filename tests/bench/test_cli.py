@@ -73,6 +73,10 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["read_bw", "-o", "0"], "-o must be between 1 and 65536"),
         (["atomic_bw", "-o", "65537"], "-o must be between 1 and 65536"),
         (["write_lat", "-b"], "-b applies to bandwidth tests: write_lat is a ping-pong"),
+        (["write_bw", "--use_srq"], "--use_srq does not apply to write_bw: only Sends consume receives"),
+        (["read_lat", "--use-srq"], "--use_srq does not apply to read_lat"),
+        (["send_lat", "-r", "8"], "-r does not apply to send_lat: it sizes send_bw's posted receives"),
+        (["send_bw", "-r", "0"], "-r must be between 1 and 1048576"),
         (["atomic_lat", "--bidirectional"], "-b applies to bandwidth tests"),
     ],
 )
@@ -227,3 +231,19 @@ def test_report_gbits_is_parsed_in_both_spellings() -> None:
     assert parse(["perf", "write_bw", "--report_gbits"]).report_gbits
     assert parse(["perf", "write_bw", "--report-gbits"]).report_gbits
     assert not parse(["perf", "write_bw"]).report_gbits
+
+
+def test_srq_and_rx_depth_follow_perftest_and_travel_to_the_server() -> None:
+    # perftest's default: 512 receives posted, here at least twice -t on every QP
+    assert _params("send_bw").rx_total() == 512 and _params("send_bw", "-t", "300").rx_total() == 600
+    assert _params("send_bw", "-q", "4", "-t", "128").rx_total() == 4 * 256
+    assert _params("send_bw", "-q", "3", "-r", "7").rx_total() == 7  # -r wins, even below the depth
+    p = _params("send_bw", "--use_srq", "-r", "64")
+    assert p.use_srq and PerfParams.from_wire(p.to_wire()) == p
+    assert _params("send_lat", "--use-srq").use_srq
+    for bad in ({**p.to_wire(), "use_srq": 1}, {**p.to_wire(), "rx_depth": "64"}, {**p.to_wire(), "test": "send_lat"}):
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+    # a client that predates the flags: no SRQ, the default depth
+    old = {k: v for k, v in _params("send_bw").to_wire().items() if k not in ("use_srq", "rx_depth")}
+    assert PerfParams.from_wire(old) == _params("send_bw")

@@ -367,3 +367,35 @@ def test_bidirectional_sends_for_a_duration_end_with_every_send_received(
     (row,) = rows
     assert row["bidirectional"] is True and row["iterations"] == client_side["own"].iterations > 0
     assert client_side["received"] == client_side["peer_count"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["send_lat", "-s", "3000", "-n", "20"],
+        ["send_lat", "-n", "8", "--rnr-delay-us", "2000"],  # the SRQ empty when the Send comes: RNR, then resume
+        # both sides receive, 3 QPs share 8 receives: most Sends find the pool empty at first
+        ["send_bw", "-s", "3000", "-n", "41", "-q", "3", "-t", "8", "-b", "-r", "8"],
+    ],
+    ids=["send_lat", "send_lat_rnr", "send_bw_shared_by_3_qps"],
+)
+def test_use_srq_takes_every_receive_from_the_shared_queue(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    # A QP made with an SRQ refuses receives posted to itself (EINVAL), so a
+    # run that completes took them all from the SRQ.
+    seen: dict[str, Any] = {}
+    _at_client_close(monkeypatch, lambda side: seen.update(srq=side.srq, qp_srqs={qp.srq for qp in side.qps},
+                                                           size=side.srq.query().max_wr))
+    rc = cli.main(["perf", *argv, "--use_srq", "--local"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert seen["srq"] is not None and seen["qp_srqs"] == {seen["srq"]}
+    assert seen["size"] == (8 if "-r" in argv else 1)
+    assert "Using SRQ      : ON" in out
+    assert ("RX depth        : 8" in out) == (argv[0] == "send_bw")
+
+
+def test_receives_beyond_the_device_fail_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rows, err = _run(capsys, "send_bw", "-n", "5", "--use_srq", "-r", "20000", "--local")
+    assert rc == 1 and not rows
+    assert "-r 20000: the device takes at most 16384 receives per SRQ" in err
