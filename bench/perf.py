@@ -167,6 +167,12 @@ class PerfParams:
     #: perftest's -r: receives send_bw keeps posted, shared out among the
     #: QPs (None: RX_DEPTH, at least twice the TX depth on every QP)
     rx_depth: int | None = None
+    #: perftest's -Q: bandwidth tests signal one WR in this many (None:
+    #: CQ_MOD, or the post list's length under -l)
+    cq_moderation: int | None = None
+    #: perftest's -l: bandwidth tests post their WRs in chains of this many,
+    #: one post_send (one doorbell) per chain
+    post_list: int = 1
 
     @property
     def spec(self) -> TestSpec:
@@ -239,6 +245,23 @@ class PerfParams:
                 raise PerfUsageError(f"-r does not apply to {self.test}: it sizes send_bw's posted receives")
             if not 1 <= self.rx_depth <= MAX_RX_DEPTH_ARG:
                 raise PerfUsageError(f"-r must be between 1 and {MAX_RX_DEPTH_ARG}")
+        if self.cq_moderation is not None or self.post_list != 1:
+            flag = "-Q" if self.cq_moderation is not None else "-l"
+            if spec.is_latency:
+                raise PerfUsageError(f"{flag} applies to bandwidth tests: a latency test signals every WR")
+            if self.cq_moderation is not None and not 1 <= self.cq_moderation <= self.depth():
+                raise PerfUsageError(f"-Q must be between 1 and the TX depth ({self.depth()})")
+            if not 1 <= self.post_list <= self.depth():
+                raise PerfUsageError(f"-l must be between 1 and the TX depth ({self.depth()}): "
+                                     "a whole list must fit in flight")  # fmt: skip
+            # Lists start at multiples of -l and the last signaled WR completes
+            # last, so up to cq_mod - gcd WRs can wait unsignaled: a list more
+            # must still fit, or nothing would ever complete them.
+            cq, lst = self.cq_mod(), self.post_list
+            if cq - math.gcd(cq, lst) + lst > self.depth():
+                raise PerfUsageError(f"-Q {cq} and -l {lst}: up to {cq - math.gcd(cq, lst)} WRs could wait unsignaled "
+                                     f"with no room for another list; make -t at least {cq - math.gcd(cq, lst) + lst} "
+                                     "or -Q a multiple of -l")  # fmt: skip
         if self.bidirectional and spec.is_latency:
             raise PerfUsageError(f"-b applies to bandwidth tests: {self.test} is a ping-pong, both ways already")
         return self
@@ -292,9 +315,15 @@ class PerfParams:
     def cq_mod(self) -> int:
         """Return how many WRs share one signaled completion (perftest's cq_mod).
 
-        Latency tests signal every WR; bandwidth tests one in CQ_MOD, at most the depth.
+        Latency tests signal every WR; bandwidth tests one in ``-Q``, else,
+        as perftest, one per post list under ``-l``, else one in CQ_MOD, at
+        most the depth.
         """
-        return 1 if self.spec.is_latency else max(1, min(CQ_MOD, self.depth()))
+        if self.spec.is_latency:
+            return 1
+        if self.cq_moderation is not None:
+            return self.cq_moderation
+        return self.post_list if self.post_list > 1 else max(1, min(CQ_MOD, self.depth()))
 
     def to_wire(self) -> dict[str, Any]:
         """Return the parameters as a JSON-able object."""
@@ -331,8 +360,10 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
     "inline_size": (int,), "outs": (int,), "bidirectional": (bool,), "use_srq": (bool,), "rx_depth": (int,),
+    "cq_moderation": (int,), "post_list": (int,),
 }  # fmt: skip
-_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs", "rx_depth"}
+_OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs", "rx_depth",
+             "cq_moderation"}
 
 
 def _stats_obj(stats: Stats | None) -> dict[str, Any] | None:
@@ -419,6 +450,7 @@ class Session:
             ("Link type", "UDP/IPv4"),
             *verb_line,
             *([("RX depth", str(self._ours.rx_total if self._ours else p.rx_total()))] if p.test == "send_bw" else []),
+            *([("Post list", str(p.post_list))] if p.post_list > 1 else []),
             ("Data ex. method", "Ethernet (TCP control connection)"),
             ("CQ Moderation", f"{p.cq_mod()}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
         ]

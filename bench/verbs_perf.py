@@ -698,6 +698,9 @@ class VerbsSide:
         cq_mod = self.params.cq_mod()
         nq = len(self.qps)
         wrs = [self._work_request(size) for _ in self.qps]
+        # -l: each QP posts chains of plist WRs (next_wr), one post_send each
+        plist = self.params.post_list
+        chains = [self._chain(size, plist) for _ in self.qps] if plist > 1 else None
         # Iterations are shared out among the QPs; under -D every QP stops on
         # a signaled WR (a multiple of cq_mod), so no unsignaled tail is left
         # that no completion would ever retire.
@@ -723,6 +726,29 @@ class VerbsSide:
                 if finished[k]:
                     continue
                 qp, wr = self.qps[k], wrs[k]
+                if chains is not None:
+                    chain = chains[k]
+                    while True:
+                        n = posted[k]
+                        if (n >= quota[k]) if quota is not None else (expired and n % cq_mod == 0):
+                            finished[k] = True
+                            break
+                        m = plist if quota is None else min(plist, quota[k] - n)  # the quota's tail: shorter
+                        if n - done[k] + m > depth:
+                            break
+                        for j in range(m):
+                            n += 1
+                            w = chain[j]
+                            w.wr_id = n
+                            last = quota is not None and n == quota[k]
+                            w.send_flags = (signaled if (n % cq_mod == 0 or last) else 0) | inline
+                        if m < plist:
+                            chain[m - 1].next_wr = None
+                        qp.post_send(chain[0])
+                        if m < plist:
+                            chain[m - 1].next_wr = chain[m]
+                        posted[k] = n
+                    continue
                 while posted[k] - done[k] < depth:
                     n = posted[k]
                     if (n >= quota[k]) if quota is not None else (expired and n % cq_mod == 0):
@@ -755,6 +781,13 @@ class VerbsSide:
                 idle()
         self._count = sum(done)
         return bandwidth_stats(size, start, completions, depth)
+
+    def _chain(self, size: int, length: int) -> list[Any]:
+        """Return ``length`` WRs of this test, each linked to the next (``next_wr``): one post list."""
+        chain = [self._work_request(size) for _ in range(length)]
+        for a, b in zip(chain, chain[1:]):
+            a.next_wr = b
+        return chain
 
     def close(self) -> None:
         """Release every resource (the context closes its children first; safe twice)."""

@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-r", "--rx-depth", dest="rx_depth", type=int, metavar="N",
                       help="send_bw: receives kept posted, all QPs together (or the SRQ's size under --use_srq; "
                       "default 512, at least twice the TX depth per QP)")
+    perf.add_argument("-Q", "--cq-mod", dest="cq_moderation", type=int, metavar="N",
+                      help="bandwidth tests: signal one WR in N (as perftest's -Q; default 16, or the post list)")
+    perf.add_argument("-l", "--post_list", "--post-list", dest="post_list", type=int, default=1, metavar="N",
+                      help="bandwidth tests: post WRs in chains of N, one post_send each (as perftest's -l)")
     perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -215,6 +219,8 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             bidirectional=args.bidirectional,
             use_srq=args.use_srq,
             rx_depth=args.rx_depth,
+            cq_moderation=args.cq_moderation,
+            post_list=args.post_list,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

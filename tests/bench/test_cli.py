@@ -77,6 +77,14 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["read_lat", "--use-srq"], "--use_srq does not apply to read_lat"),
         (["send_lat", "-r", "8"], "-r does not apply to send_lat: it sizes send_bw's posted receives"),
         (["send_bw", "-r", "0"], "-r must be between 1 and 1048576"),
+        (["write_lat", "-l", "2"], "-l applies to bandwidth tests: a latency test signals every WR"),
+        (["read_lat", "-Q", "1"], "-Q applies to bandwidth tests"),
+        (["write_bw", "-Q", "0"], "-Q must be between 1 and the TX depth (128)"),
+        (["send_bw", "-t", "8", "-Q", "9"], "-Q must be between 1 and the TX depth (8)"),
+        (["write_bw", "-t", "8", "-l", "9"], "-l must be between 1 and the TX depth (8): a whole list must fit"),
+        (["write_bw", "--post_list", "0"], "-l must be between 1"),
+        (["read_bw", "-t", "16", "-Q", "16", "-l", "3"],
+         "-Q 16 and -l 3: up to 15 WRs could wait unsignaled with no room for another list; make -t at least 18"),
         (["atomic_lat", "--bidirectional"], "-b applies to bandwidth tests"),
     ],
 )
@@ -247,3 +255,19 @@ def test_srq_and_rx_depth_follow_perftest_and_travel_to_the_server() -> None:
     # a client that predates the flags: no SRQ, the default depth
     old = {k: v for k, v in _params("send_bw").to_wire().items() if k not in ("use_srq", "rx_depth")}
     assert PerfParams.from_wire(old) == _params("send_bw")
+
+
+def test_cq_moderation_and_post_list_follow_perftest_and_travel_to_the_server() -> None:
+    assert _params("write_bw").cq_mod() == 16 and _params("write_bw", "-t", "4").cq_mod() == 4
+    assert _params("write_bw", "-Q", "5").cq_mod() == 5
+    # as perftest: a post list sets the moderation to its length, unless -Q says otherwise
+    assert _params("write_bw", "-l", "4").cq_mod() == 4 and _params("write_bw", "-l", "4", "-Q", "8").cq_mod() == 8
+    assert _params("send_bw", "--post-list", "3").post_list == 3
+    p = _params("read_bw", "-Q", "2", "-l", "6")
+    assert PerfParams.from_wire(p.to_wire()) == p
+    for bad in ({**p.to_wire(), "post_list": "6"}, {**p.to_wire(), "cq_moderation": True},
+                {**p.to_wire(), "test": "read_lat"}):  # fmt: skip
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+    old = {k: v for k, v in _params("write_bw").to_wire().items() if k not in ("cq_moderation", "post_list")}
+    assert PerfParams.from_wire(old) == _params("write_bw")

@@ -399,3 +399,40 @@ def test_receives_beyond_the_device_fail_clearly(capsys: pytest.CaptureFixture[s
     rc, rows, err = _run(capsys, "send_bw", "-n", "5", "--use_srq", "-r", "20000", "--local")
     assert rc == 1 and not rows
     assert "-r 20000: the device takes at most 16384 receives per SRQ" in err
+
+
+@pytest.mark.parametrize(
+    "argv, chains, signaled",
+    [
+        # 21 Writes per QP in lists of 4: five whole lists and a tail of one on each QP;
+        # one signaled WR per list, and the tail's (the quota's last)
+        (["write_bw", "-s", "2000", "-n", "42", "-q", "2", "-t", "8", "-l", "4"], {4: 10, 1: 2}, 12),
+        # -Q 1 signals every WR, lists or not
+        (["send_bw", "-s", "2000", "-n", "30", "-t", "8", "-l", "3", "-Q", "1"], {3: 10}, 30),
+        (["atomic_bw", "-n", "40", "-t", "16", "-Q", "5"], {1: 40}, 8),
+    ],
+    ids=["write_bw_lists_of_4", "send_bw_every_wr_signaled", "atomic_bw_q5"],
+)
+def test_post_lists_and_cq_moderation_shape_the_posts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
+        chains: dict[int, int], signaled: int) -> None:
+    from udpverbs.verbs import QP, enums as E
+
+    lengths: list[int] = []
+    flags: list[int] = []
+    real = QP.post_send
+
+    def recording(self, wr, bad_wr=None):  # type: ignore[no-untyped-def]
+        w, n = wr, 0
+        while w is not None:
+            flags.append(int(w.send_flags))
+            w, n = w.next_wr, n + 1
+        lengths.append(n)
+        return real(self, wr, bad_wr)
+
+    monkeypatch.setattr(QP, "post_send", recording)  # this process is the client
+    rc, rows, err = _run(capsys, *argv, "--local", "--json")
+    assert rc == 0, err
+    _check_row(rows[0], argv, BW, int(argv[argv.index("-n") + 1]))
+    assert {n: lengths.count(n) for n in set(lengths)} == chains
+    assert sum(1 for f in flags if f & E.IBV_SEND_SIGNALED) == signaled
