@@ -39,7 +39,8 @@ from typing import Any, Callable, Sequence, TextIO
 
 from . import rawudp
 from .control import ControlChannel, ControlError
-from .report import RESULT_LINE, Row, Stats, banner, columns, format_row, row_from_json, row_json
+from .report import (RESULT_LINE, Row, Stats, banner, columns, format_row, row_from_json, row_json,
+                     stats_from_json)
 from .stats import BandwidthStats, both_directions, bandwidth_stats, latency_stats
 
 #: Version of the control conversation; both sides must speak the same.
@@ -547,9 +548,12 @@ class Session:
                 sums.append(None)
                 continue
             try:
-                sums.append(both_directions(mine, BandwidthStats(**theirs)))  # type: ignore[arg-type]
-            except (TypeError, ValueError) as e:
-                raise ControlError(f"malformed bandwidth report from the server: {e}") from e
+                peer = stats_from_json(theirs)
+                if not isinstance(peer, BandwidthStats):
+                    raise TypeError("latency figures")
+            except (KeyError, TypeError, ValueError) as e:
+                raise ControlError(f"malformed bandwidth report from the server: {e!r}") from e
+            sums.append(both_directions(mine, peer))  # type: ignore[arg-type]
         return sums[0], sums[1]
 
     def _open_udp(self) -> None:

@@ -103,7 +103,11 @@ def row_json(row: Row) -> dict[str, Any]:
     return out
 
 
-def _stats_from(d: dict[str, Any]) -> Stats:
+def stats_from_json(d: dict[str, Any]) -> Stats:
+    """Rebuild one side's figures from their JSON object (``iterations`` and the figure keys).
+
+    Raises: KeyError, TypeError or ValueError on an object that is not such figures.
+    """
     cls: type[LatencyStats] | type[BandwidthStats] = LatencyStats if "t_typical_us" in d else BandwidthStats
     return cls(**{f.name: (int if f.name == "iterations" else float)(d[f.name]) for f in fields(cls)})
 
@@ -113,11 +117,11 @@ def row_from_json(obj: dict[str, Any]) -> Row:
 
     Raises: KeyError or TypeError on an object that is not a row.
     """
-    main = _stats_from(obj)
+    main = stats_from_json(obj)
     rnr = int(obj.get("rnr_delay_us", 0))
     both = obj.get("bidirectional") is True
     if obj["transport"] == "udpverbs":
-        base = _stats_from(obj["baseline"]) if "baseline" in obj else None
+        base = stats_from_json(obj["baseline"]) if "baseline" in obj else None
         name = obj["baseline"]["name"] if "baseline" in obj else "raw-udp"
         return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr, both)
     return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]), rnr, both)

@@ -152,3 +152,28 @@ def test_bidirectional_baseline_adds_the_servers_stream_to_the_clients(monkeypat
     assert own[True].iterations == own[False].iterations == row.baseline.iterations == 200
     assert row.baseline.bw_avg_MBps == pytest.approx(own[True].bw_avg_MBps + own[False].bw_avg_MBps)
     assert all("RDMA_Write Bidirectional BW Test" in out.getvalue() for out in (out_s, out_c))
+
+
+@pytest.mark.parametrize(
+    "report, fragment",
+    [
+        ({"ours": {"iterations": 5, "bw_peak_MBps": 1.0}, "baseline": None}, "malformed bandwidth report"),
+        ({"ours": "fast", "baseline": None}, "malformed bandwidth report"),
+        ({"ours": {"iterations": 5, "bw_peak_MBps": "x", "bw_avg_MBps": 1, "msg_rate_Mpps": 1}, "baseline": None},
+         "malformed bandwidth report"),
+        ({"ours": {"iterations": 5, "t_min_us": 1, "t_max_us": 1, "t_typical_us": 1, "t_avg_us": 1, "t_stdev_us": 0,
+                   "p99_us": 1, "p999_us": 1}, "baseline": None}, "malformed bandwidth report"),
+        ({"ours": None, "baseline": None}, "disagree on whether ours ran"),
+    ],
+    ids=["missing_figures", "not_an_object", "not_a_number", "latency_figures", "no_figures"],
+)
+def test_a_bad_bidirectional_report_is_a_control_error(report: dict[str, Any], fragment: str) -> None:
+    from udpverbs.bench.stats import BandwidthStats
+
+    params = PerfParams(test="write_bw", bidirectional=True).validate()
+    server, client = _pair()
+    mine = BandwidthStats(iterations=5, bw_peak_MBps=2.0, bw_avg_MBps=1.0, msg_rate_Mpps=0.1)
+    with server, client:
+        server.send({"op": "bw-report", **report})
+        with pytest.raises(ControlError, match=fragment):
+            Session(params, client, is_client=True)._both_ways(mine, None)
