@@ -367,6 +367,17 @@ _OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume"
              "cq_moderation"}
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """How one side prints its rows: its own flags, which do not travel to the peer."""
+
+    #: perftest's --report_gbits: the table's bandwidth in Gb/s (JSON keeps MB/s)
+    gbits: bool = False
+    #: a latency client's every sample after its row: "sorted" (perftest's
+    #: -H), "unsorted" (-U, in the order measured), or None
+    samples: str | None = None
+
+
 def _stats_obj(stats: Stats | None) -> dict[str, Any] | None:
     return None if stats is None else dataclasses.asdict(stats)
 
@@ -384,8 +395,7 @@ class Session:
     the daemon to use (``device``), a progress callback for the client, and
     the flags local daemons were started with (``daemon_args``) and where a
     local run's processes are (``cpus``), both shown in the banner so a
-    saved table says what it measured, and ``gbits`` (perftest's
-    ``--report_gbits``: the table's bandwidth in Gb/s; JSON keeps MB/s).
+    saved table says what it measured, and how this side prints (``output``).
     """
 
     def __init__(
@@ -400,10 +410,10 @@ class Session:
         progress: Callable[[int, int, int], None] | None = None,
         daemon_args: Sequence[str] = (),
         cpus: str | None = None,
-        gbits: bool = False,
+        output: OutputOptions = OutputOptions(),
     ) -> None:
         self.params = params
-        self.gbits = gbits
+        self.output = output
         self.daemon_args = list(daemon_args)
         self.cpus = cpus
         self.ctrl = ctrl
@@ -425,11 +435,28 @@ class Session:
 
     def _emit(self, row: Row) -> None:
         self.rows.append(row)
+        samples = self._samples_us()
         if self.json_out:
-            self._print(json.dumps(row_json(row)))
-        else:
-            for line in format_row(row, gbits=self.gbits):
-                self._print(line)
+            obj = row_json(row)
+            if samples is not None:
+                obj["samples_us"] = samples
+            self._print(json.dumps(obj))
+            return
+        for line in format_row(row, gbits=self.output.gbits):
+            self._print(line)
+        if samples is not None:
+            # perftest's -H/-U list: a header, then "index, value" per sample
+            self._print("#, usec")
+            for i, us in enumerate(samples, 1):
+                self._print(f"{i}, {us:g}")
+
+    def _samples_us(self) -> list[float] | None:
+        """-H/-U: this run's latency samples in µs, as the row reports them; None without the flag."""
+        order = self.output.samples
+        if order is None or self._ours is None or not self.is_client:
+            return None
+        us = [ns / 1000 for ns in self._ours.samples_ns]
+        return sorted(us) if order == "sorted" else us
 
     def _banner(self) -> None:
         if self.json_out:
@@ -469,7 +496,7 @@ class Session:
             remote = "UDP {}:{}".format(*self._udp.getpeername())
         for line in banner(p.title(), settings, local, remote):
             self._print(line)
-        self._print(columns(p.spec.is_latency, p.baseline is not None and not p.baseline_only, gbits=self.gbits))
+        self._print(columns(p.spec.is_latency, p.baseline is not None and not p.baseline_only, gbits=self.output.gbits))
 
     # -- the conversation -----------------------------------------------------
     def run(self) -> list[Row]:

@@ -205,6 +205,7 @@ class VerbsSide:
         self._count = 0  # operations this run: completed (client) or received (server)
         self._received = 0  # send_bw: the peer's Sends received this run
         self.srq: Any = None  # --use_srq's shared receive queue
+        self.samples_ns: list[int] = []  # the client's last latency run, in the order measured (-H/-U)
         # How often (in turns) a waiting side looks at the clock and the control
         # connection: every turn under -e, where each turn may sleep EVENT_WAIT_S.
         self.check_every = 1 if params.use_events else CHECK_EVERY
@@ -591,7 +592,10 @@ class VerbsSide:
             self._retire_sends(limit)
             i += 1
         self._retire_sends(0)  # leave no WR behind for the next size
-        return latency_stats(samples) if self.is_client else None
+        if not self.is_client:
+            return None
+        self.samples_ns = samples
+        return latency_stats(samples)
 
     def _await_byte(self, mv: Any, index: int, marker: int, *, stop_on_done: bool) -> bool:
         """Spin (yielding) until ``mv[index] == marker``; False if the client said done."""
@@ -645,6 +649,7 @@ class VerbsSide:
                 samples.append(t1 - t0)  # perftest reports a Read's (an atomic's) whole round trip
             i += 1
         self._count = i
+        self.samples_ns = samples
         return latency_stats(samples)
 
     # -- bandwidth tests: tx_depth in flight ----------------------------------------------

@@ -29,7 +29,7 @@ from typing import Sequence, TextIO
 
 from udpverbs.bench import local
 from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
-from udpverbs.bench.perf import TESTS, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
+from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
 from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
 from udpverbs.bench.rawudp import BaselineError
 from udpverbs.bench.report import Row
@@ -169,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bandwidth tests: signal one WR in N (as perftest's -Q; default 16, or the post list)")
     perf.add_argument("-l", "--post_list", "--post-list", dest="post_list", type=int, default=1, metavar="N",
                       help="bandwidth tests: post WRs in chains of N, one post_send each (as perftest's -l)")
+    samples = perf.add_mutually_exclusive_group()
+    samples.add_argument("-H", "--report-histogram", dest="samples", action="store_const", const="sorted",
+                         help="latency tests: after each row, print every sample in µs, sorted (as perftest's -H; "
+                         "--json adds them as samples_us)")
+    samples.add_argument("-U", "--report-unsorted", dest="samples", action="store_const", const="unsorted",
+                         help="latency tests: as -H, in the order measured (as perftest's -U)")
     perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -226,6 +232,21 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
         raise UsageError(str(e)) from None
 
 
+def output_from(args: argparse.Namespace, params: PerfParams) -> OutputOptions:
+    """How this side prints (``--report_gbits``, ``-H``/``-U``).
+
+    Raises: UsageError for -H/-U on a bandwidth test, or on a server (the
+    client measures the samples).
+    """
+    if args.samples is not None:
+        flag = "-H" if args.samples == "sorted" else "-U"
+        if not params.spec.is_latency:
+            raise UsageError(f"{flag} applies to latency tests: a bandwidth test keeps no samples")
+        if not (args.peer or args.local):
+            raise UsageError(f"{flag} prints the client's samples: give it to the client (or with --local)")
+    return OutputOptions(gbits=args.report_gbits, samples=args.samples)
+
+
 def _progress(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if args.progress or sys.stderr.isatty():
         return tty_progress(sys.stderr)
@@ -252,7 +273,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> list[Row]
     with ctrl:
         params = welcome(ctrl, args.test)
         session = Session(params, ctrl, is_client=False, out=out, json_out=args.json, device=args.device,
-                          gbits=args.report_gbits)
+                          output=OutputOptions(gbits=args.report_gbits))
         return session.run()
 
 
@@ -268,13 +289,13 @@ def run_client(
     out: TextIO | None = None,
     daemon_args: Sequence[str] = (),
     cpus: str | None = None,
-    gbits: bool = False,
+    output: OutputOptions = OutputOptions(),
 ) -> list[Row]:
     """Connect to a server, run the session, print the rows.
 
     ``daemon_args``: the flags the local daemons were started with, and
     ``cpus``, where a local run's processes are (both for the banner);
-    ``gbits``: bandwidth in Gb/s (``--report_gbits``).
+    ``output``: how the rows are printed.
     Returns: the rows.
     Raises: the run errors.
     """
@@ -282,18 +303,18 @@ def run_client(
     with connect(host, port, CONNECT_TIMEOUT_S, source_ip=bind) as ctrl:
         hello(ctrl, params)
         session = Session(params, ctrl, is_client=True, out=out, json_out=json_out, device=device, progress=progress,
-                          daemon_args=daemon_args, cpus=cpus, gbits=gbits)
+                          daemon_args=daemon_args, cpus=cpus, output=output)
         return session.run()
 
 
 def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | None = None,  # type: ignore[no-untyped-def]
               daemon_args: Sequence[str] = (), placement: local.Placement | None = None,
-              gbits: bool = False) -> list[Row]:
+              output: OutputOptions = OutputOptions()) -> list[Row]:
     """Run both sides on this host: daemons (unless baseline-only), a server child, this client.
 
     ``daemon_args``: more flags for both daemons (checked by ``daemon_args_from``);
     ``placement``: the CPUs of the four processes (None: the scheduler's
-    choice), this one's given back at the end; ``gbits``: as :func:`run_client`.
+    choice), this one's given back at the end; ``output``: as :func:`run_client`.
     Returns: the rows.
     Raises: the run errors; every child is stopped by pid first.
     """
@@ -320,7 +341,7 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
                 out=out,
                 daemon_args=daemon_args,
                 cpus=placement.describe(daemons=not params.baseline_only) if placement else "not pinned",
-                gbits=gbits,
+                output=output,
             )
         status = local.wait_process(server.proc, local.STOP_GRACE_S)
         server = None
@@ -336,18 +357,19 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
 def cmd_perf(args: argparse.Namespace) -> int:
     """Run ``udpverbs perf``; returns the exit status."""
     params = params_from_args(args)
+    output = output_from(args, params)
     daemon_args = daemon_args_from(args)
     placement = placement_from(args)
     if args.plot:
         require_matplotlib()  # fail before a long sweep, not after it
     if args.local:
         rows = run_local(params, json_out=args.json, progress=_progress(args), daemon_args=daemon_args,
-                         placement=placement, gbits=args.report_gbits)
+                         placement=placement, output=output)
     elif args.peer:
         host, port = parse_peer(args.peer, args.port)
         rows = run_client(
             params, host, port, bind=args.bind, device=args.device, json_out=args.json, progress=_progress(args),
-            gbits=args.report_gbits,
+            output=output,
         )
     else:
         rows = run_server(args)

@@ -83,6 +83,8 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["send_bw", "-t", "8", "-Q", "9"], "-Q must be between 1 and the TX depth (8)"),
         (["write_bw", "-t", "8", "-l", "9"], "-l must be between 1 and the TX depth (8): a whole list must fit"),
         (["write_bw", "--post_list", "0"], "-l must be between 1"),
+        (["write_bw", "--local", "-H"], "-H applies to latency tests: a bandwidth test keeps no samples"),
+        (["send_lat", "-U"], "-U prints the client's samples: give it to the client (or with --local)"),
         (["read_bw", "-t", "16", "-Q", "16", "-l", "3"],
          "-Q 16 and -l 3: up to 15 WRs could wait unsignaled with no room for another list; make -t at least 18"),
         (["atomic_lat", "--bidirectional"], "-b applies to bandwidth tests"),
@@ -271,3 +273,9 @@ def test_cq_moderation_and_post_list_follow_perftest_and_travel_to_the_server() 
             PerfParams.from_wire(bad)
     old = {k: v for k, v in _params("write_bw").to_wire().items() if k not in ("cq_moderation", "post_list")}
     assert PerfParams.from_wire(old) == _params("write_bw")
+
+
+def test_histogram_and_unsorted_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["perf", "write_lat", "-H", "-U"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -436,3 +436,30 @@ def test_post_lists_and_cq_moderation_shape_the_posts(
     _check_row(rows[0], argv, BW, int(argv[argv.index("-n") + 1]))
     assert {n: lengths.count(n) for n in set(lengths)} == chains
     assert sum(1 for f in flags if f & E.IBV_SEND_SIGNALED) == signaled
+
+
+def test_histogram_lists_every_sample_sorted_under_the_row(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["perf", "write_lat", "-n", "30", "-H", "--local"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = out.splitlines()
+    at = lines.index("#, usec")
+    row = lines[at - 1].split()
+    listed = [line.split(", ") for line in lines[at + 1 : at + 31]]
+    assert [int(i) for i, _ in listed] == list(range(1, 31)) and not lines[at + 31][0].isdigit()
+    samples = [float(v) for _, v in listed]
+    assert samples == sorted(samples)
+    # the row's t_min and t_max are the first and last samples (2 decimals)
+    assert (float(row[2]), float(row[3])) == (round(samples[0], 2), round(samples[-1], 2))
+
+
+def test_unsorted_samples_ride_in_the_json_row(capsys: pytest.CaptureFixture[str]) -> None:
+    from udpverbs.bench.stats import latency_stats
+
+    rc, rows, err = _run(capsys, "read_lat", "-n", "25", "-U", "--local", "--json")
+    assert rc == 0, err
+    (row,) = rows
+    samples = row["samples_us"]
+    assert len(samples) == 25
+    again = latency_stats([round(us * 1000) for us in samples])
+    assert again.t_typical_us == pytest.approx(row["t_typical_us"]) and again.t_max_us == pytest.approx(row["t_max_us"])
