@@ -34,12 +34,13 @@ import math
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
 from . import rawudp
 from .control import ControlChannel, ControlError
-from .report import (RESULT_LINE, Row, Stats, banner, columns, format_row, row_from_json, row_json,
+from .report import (RESULT_LINE, DaemonLoad, Row, Stats, banner, columns, format_row, row_from_json, row_json,
                      stats_from_json)
 from .stats import BandwidthStats, both_directions, bandwidth_stats, latency_stats
 
@@ -174,6 +175,9 @@ class PerfParams:
     #: perftest's -l: bandwidth tests post their WRs in chains of this many,
     #: one post_send (one doorbell) per chain
     post_list: int = 1
+    #: perftest's --cpu_util, for what udpverbs adds: each side's daemon's
+    #: CPU time over the run, as a share of one CPU
+    cpu_util: bool = False
 
     @property
     def spec(self) -> TestSpec:
@@ -263,6 +267,8 @@ class PerfParams:
                 raise PerfUsageError(f"-Q {cq} and -l {lst}: up to {cq - math.gcd(cq, lst)} WRs could wait unsignaled "
                                      f"with no room for another list; make -t at least {cq - math.gcd(cq, lst) + lst} "
                                      "or -Q a multiple of -l")  # fmt: skip
+        if self.cpu_util and self.baseline_only:
+            raise PerfUsageError("--cpu_util measures the daemons: --baseline-only starts none")
         if self.bidirectional and spec.is_latency:
             raise PerfUsageError(f"-b applies to bandwidth tests: {self.test} is a ping-pong, both ways already")
         return self
@@ -361,7 +367,7 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
     "inline_size": (int,), "outs": (int,), "bidirectional": (bool,), "use_srq": (bool,), "rx_depth": (int,),
-    "cq_moderation": (int,), "post_list": (int,),
+    "cq_moderation": (int,), "post_list": (int,), "cpu_util": (bool,),
 }  # fmt: skip
 _OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs", "rx_depth",
              "cq_moderation"}
@@ -533,14 +539,19 @@ class Session:
             iters = p.iterations_for(size)
             ours: Stats | None = None
             base: Stats | None = None
+            daemons: DaemonLoad | None = None
             if self._ours is not None:
+                before, start = self._ours.daemon_times() if p.cpu_util else (0.0, 0.0), time.monotonic()
                 ours = self._ours.run(size, iters, p.duration_s)
+                if p.cpu_util:
+                    after, wall = self._ours.daemon_times(), max(1e-6, time.monotonic() - start)
+                    daemons = self._both_daemons([100.0 * (a - b) / wall for a, b in zip(after, before)])
             if self._udp is not None:
                 base = self._run_raw(size, iters, run=k + 1)
             if p.bidirectional:
                 ours, base = self._both_ways(ours, base)
             if self.is_client:
-                row = Row(p.test, size, ours, base, p.baseline or "raw-udp", p.rnr_delay_us, p.bidirectional)
+                row = Row(p.test, size, ours, base, p.baseline or "raw-udp", p.rnr_delay_us, p.bidirectional, daemons)
                 self.ctrl.send({"op": "row", "row": row_json(row)})
             else:
                 msg = self.ctrl.expect("row", STEP_TIMEOUT_S)
@@ -555,6 +566,23 @@ class Session:
         if not self.json_out:
             self._print(RESULT_LINE)
         return self.rows
+
+    def _both_daemons(self, mine: list[float]) -> DaemonLoad | None:
+        """--cpu_util: the server tells the client its daemon's CPU and busy shares over the run.
+
+        Takes: this side's daemon's [CPU %, busy %].
+        Returns: on the client, both daemons' figures; None on the server.
+        Raises: ControlError if the server's figures are malformed.
+        """
+        if not self.is_client:
+            self.ctrl.send({"op": "cpu", "pct": mine})
+            return None
+        theirs = self.ctrl.expect("cpu", STEP_TIMEOUT_S).get("pct")
+        if not (isinstance(theirs, list) and len(theirs) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
+                        for x in theirs)):  # fmt: skip
+            raise ControlError(f"malformed CPU figures from the server: {theirs!r}")
+        return DaemonLoad(cpu_pct=(mine[0], float(theirs[0])), busy_pct=(mine[1], float(theirs[1])))
 
     def _both_ways(self, ours: Stats | None, base: Stats | None) -> tuple[Stats | None, Stats | None]:
         """-b: the client adds the server's figures (its own stream) to its own, as perftest reports.

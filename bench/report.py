@@ -24,6 +24,7 @@ from .stats import BandwidthStats, LatencyStats
 Stats = Union[LatencyStats, BandwidthStats]
 
 RESULT_LINE = "-" * 87
+_SIDES = ("client", "server")
 LAT_COLUMNS = (
     " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]"
     "    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]"
@@ -33,6 +34,19 @@ BW_COLUMNS = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]  
 BW_COLUMNS_GBITS = " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]"
 #: MB/s (10**6 bytes) to Gb/s (10**9 bits)
 GBITS_PER_MBPS = 8 / 1000
+
+
+@dataclass(frozen=True)
+class DaemonLoad:
+    """--cpu_util: what each daemon spent over a run, in % of its wall time, (client, server).
+
+    ``cpu_pct`` is the daemon process's CPU time, the bounded spin of a
+    waiting data loop included; ``busy_pct`` the time of its passes that
+    found work.  A daemon near 100% busy is the one that sets the pace.
+    """
+
+    cpu_pct: tuple[float, float]
+    busy_pct: tuple[float, float]
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,8 @@ class Row:
     rnr_delay_us: int = 0
     #: -b: the bandwidths and rates are both directions' sums
     bidirectional: bool = False
+    #: --cpu_util: what the two daemons spent over the run
+    daemons: DaemonLoad | None = None
 
     @property
     def main(self) -> Stats:
@@ -83,7 +99,10 @@ def row_json(row: Row) -> dict[str, Any]:
     latencies include.  A ``-b`` run adds ``"bidirectional": true``: its
     bandwidths and message rates (and the baseline's) are the sums of both
     directions, and ``iterations`` counts one direction's messages, as
-    perftest prints them.
+    perftest prints them.  ``--cpu_util`` adds ``daemon_cpu_pct`` and
+    ``daemon_busy_pct``, each ``{"client": …, "server": …}``: each daemon's
+    CPU time, and the time its data loop found work, over the run in % of
+    the run's wall time (see :class:`DaemonLoad`).
     """
     main = row.main
     out: dict[str, Any] = {
@@ -96,6 +115,9 @@ def row_json(row: Row) -> dict[str, Any]:
         out["rnr_delay_us"] = row.rnr_delay_us
     if row.bidirectional:
         out["bidirectional"] = True
+    if row.daemons is not None:
+        out["daemon_cpu_pct"] = dict(zip(_SIDES, row.daemons.cpu_pct))
+        out["daemon_busy_pct"] = dict(zip(_SIDES, row.daemons.busy_pct))
     out.update(main.as_dict())
     if row.ours is not None and row.baseline is not None:
         out["baseline"] = {"name": row.baseline_name, "iterations": row.baseline.iterations, **row.baseline.as_dict()}
@@ -123,7 +145,12 @@ def row_from_json(obj: dict[str, Any]) -> Row:
     if obj["transport"] == "udpverbs":
         base = stats_from_json(obj["baseline"]) if "baseline" in obj else None
         name = obj["baseline"]["name"] if "baseline" in obj else "raw-udp"
-        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr, both)
+        load = None
+        if "daemon_cpu_pct" in obj:
+            cpu, busy = obj["daemon_cpu_pct"], obj["daemon_busy_pct"]
+            load = DaemonLoad((float(cpu["client"]), float(cpu["server"])),
+                              (float(busy["client"]), float(busy["server"])))
+        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr, both, load)
     return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]), rnr, both)
 
 
@@ -157,12 +184,17 @@ def format_row(row: Row, *, gbits: bool = False) -> list[str]:
     """
     if row.ours is None:
         return [_figures(row.bytes, row.main, gbits) + f"   ({row.baseline_name})"]
+    cpu = []
+    if row.daemons is not None:
+        (cc, cs), (bc, bs) = row.daemons.cpu_pct, row.daemons.busy_pct
+        cpu = [f" daemon CPU[%]: client {cc:.1f} (busy {bc:.1f}), server {cs:.1f} (busy {bs:.1f})"]
     if row.baseline is None:
-        return [_figures(row.bytes, row.ours, gbits)]
+        return [_figures(row.bytes, row.ours, gbits), *cpu]
     b = headline(row.baseline)
     ratio = f"{headline(row.ours) / b:.2f}x" if b else "-"
     return [
         _figures(row.bytes, row.ours, gbits) + f"   {ratio}",
+        *cpu,
         _figures(row.bytes, row.baseline, gbits) + f"   ({row.baseline_name})",
     ]
 

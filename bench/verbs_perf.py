@@ -367,6 +367,15 @@ class VerbsSide:
         """The 64-bit word at offset ``at`` of the MR, in host byte order (atomics)."""
         return int.from_bytes(self.mr.mv[at : at + 8], sys.byteorder)
 
+    def daemon_times(self) -> tuple[float, float]:
+        """This side's daemon's CPU time and busy time so far, in seconds (its counters).
+
+        Busy time is the wall time of its data loop's passes that found work.
+        """
+        stats = self.ctx.query_stats()
+        cpu_ms = stats.get("process_cpu_user_ms", 0) + stats.get("process_cpu_system_ms", 0)
+        return cpu_ms / 1e3, stats.get("data_busy_us", 0) / 1e6
+
     def _counter(self) -> int:
         """The word the peer's Fetch-and-Adds advance: the start of the landing half."""
         return self._word(self.half)

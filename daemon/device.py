@@ -42,7 +42,10 @@ busy daemon costs them no syscall (io_uring's SQ_NEED_WAKEUP).  A periodic
 rescan (``max_sleep_s``, 0.25 s) is only a backstop now that both sides
 fence between their store and their load of the other's flag; each rescan
 costs a wake-up, and at 0.05 s they alone kept an idle daemon at ~1.1% CPU
-(0.2-0.25% at 0.25 s, idle link or none).
+(0.2-0.25% at 0.25 s, idle link or none).  The loop adds up the wall time of the
+passes that found work (``data_busy_us`` among the counters): next to the
+process's CPU time, which the spin inflates, it tells a daemon that is
+working from one that is waiting (``udpverbs perf --cpu_util``).
 
 Time comes only from ``trio.current_time()``; randomness from one seeded
 ``random.Random``.
@@ -434,6 +437,9 @@ class Device:
         self.links: dict[tuple[str, int], PeerLink] = {}
         self.sessions: set[Any] = set()
         self.stats: collections.Counter[str] = collections.Counter()
+        #: wall time of the data loop's passes that found work (the rest of
+        #: its time it spins or sleeps): what a run keeps the daemon busy
+        self.busy_s = 0.0
         self.now = 0.0
         self.sock: socket.socket | None = None
         self._rx_epoll: select.epoll | None = None  # the socket alone (bind); None: just try to read
@@ -1204,8 +1210,11 @@ class Device:
         self._clock = trio.lowlevel.current_clock().current_time
         task_status.started()
         busy = 0
+        clock = self._clock
         while True:
+            t0 = clock()
             if self.poll_once():
+                self.busy_s += clock() - t0
                 busy += 1
                 if busy >= 16:
                     busy = 0
@@ -1216,10 +1225,11 @@ class Device:
             # RTT and sleeping would add a vCPU wake-up to every round trip.
             spin_end = self.now + (self.inflight_spin_s if self._awaiting_peer() else spin_s)
             found = False
-            clock = self._clock
             while clock() < spin_end:
                 os.sched_yield()
+                t0 = clock()
                 if self.poll_once():
+                    self.busy_s += clock() - t0
                     found = True
                     break
             if found:
@@ -1279,6 +1289,7 @@ class Device:
 
     def dump_stats(self) -> dict[str, int]:
         out = dict(self.stats)
+        out["data_busy_us"] = int(self.busy_s * 1e6)
         for pl in self.links.values():
             if pl.link.framed_datagrams:
                 out["tx_native_datagrams"] = out.get("tx_native_datagrams", 0) + pl.link.framed_datagrams

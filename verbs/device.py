@@ -290,7 +290,9 @@ class Context(Resource):
         Among them: ``rnr_nack_sent`` / ``rnr_nack_received`` and
         ``rnr_resume_sent`` / ``rnr_resume_received`` (Modified ACK/NACK),
         ``rnr_retry_exceeded``, ``terminate_sent``, ``atomic_replayed``,
-        ``rx_*`` (garbage from the network) and ``link_*`` (the links).
+        ``rx_*`` (garbage from the network), ``link_*`` (the links), and
+        ``process_cpu_user_ms`` / ``process_cpu_system_ms`` (the CPU time the
+        daemon's process has used so far).
         """
         self._check_open()
         r, _ = self.call(Op.QUERY_STATS)

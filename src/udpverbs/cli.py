@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bandwidth tests: signal one WR in N (as perftest's -Q; default 16, or the post list)")
     perf.add_argument("-l", "--post_list", "--post-list", dest="post_list", type=int, default=1, metavar="N",
                       help="bandwidth tests: post WRs in chains of N, one post_send each (as perftest's -l)")
+    perf.add_argument("--cpu_util", "--cpu-util", dest="cpu_util", action="store_true",
+                      help="report each daemon's CPU time over every run, as a share of one CPU (perftest's "
+                      "--cpu_util reports the host's)")
     samples = perf.add_mutually_exclusive_group()
     samples.add_argument("-H", "--report-histogram", dest="samples", action="store_const", const="sorted",
                          help="latency tests: after each row, print every sample in µs, sorted (as perftest's -H; "
@@ -227,6 +230,7 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             rx_depth=args.rx_depth,
             cq_moderation=args.cq_moderation,
             post_list=args.post_list,
+            cpu_util=args.cpu_util,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

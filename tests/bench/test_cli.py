@@ -84,6 +84,8 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["write_bw", "-t", "8", "-l", "9"], "-l must be between 1 and the TX depth (8): a whole list must fit"),
         (["write_bw", "--post_list", "0"], "-l must be between 1"),
         (["write_bw", "--local", "-H"], "-H applies to latency tests: a bandwidth test keeps no samples"),
+        (["write_bw", "--cpu_util", "--baseline", "raw-udp", "--baseline-only"],
+         "--cpu_util measures the daemons: --baseline-only starts none"),
         (["send_lat", "-U"], "-U prints the client's samples: give it to the client (or with --local)"),
         (["read_bw", "-t", "16", "-Q", "16", "-l", "3"],
          "-Q 16 and -l 3: up to 15 WRs could wait unsignaled with no room for another list; make -t at least 18"),

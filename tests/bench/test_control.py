@@ -177,3 +177,13 @@ def test_a_bad_bidirectional_report_is_a_control_error(report: dict[str, Any], f
         server.send({"op": "bw-report", **report})
         with pytest.raises(ControlError, match=fragment):
             Session(params, client, is_client=True)._both_ways(mine, None)
+
+
+@pytest.mark.parametrize("pct", [None, [1.0], [1.0, "2"], [True, 2.0], [1.0, -2.0], 5.0], ids=repr)
+def test_a_bad_cpu_report_is_a_control_error(pct: Any) -> None:
+    params = PerfParams(test="write_bw", cpu_util=True).validate()
+    server, client = _pair()
+    with server, client:
+        server.send({"op": "cpu", "pct": pct})
+        with pytest.raises(ControlError, match="malformed CPU figures from the server"):
+            Session(params, client, is_client=True)._both_daemons([50.0, 40.0])

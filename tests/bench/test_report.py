@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from udpverbs.bench.report import (BW_COLUMNS, BW_COLUMNS_GBITS, LAT_COLUMNS, Row, columns, format_row, row_from_json,
-                                   row_json)
+from udpverbs.bench.report import (BW_COLUMNS, BW_COLUMNS_GBITS, LAT_COLUMNS, DaemonLoad, Row, columns, format_row,
+                                   row_from_json, row_json)
 from udpverbs.bench.stats import bandwidth_stats, latency_stats
 
 LAT_KEYS = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p999_us"}
@@ -88,3 +88,16 @@ def test_report_gbits_prints_gigabits_and_keeps_the_ratio() -> None:
     gb = format_row(Row("write_bw", 65536, ours, base), gbits=True)[0].split()
     assert mb[3] == "65.54" and gb[3] == "0.52"
     assert mb[4] == gb[4] and mb[-1] == gb[-1] == "2.00x"  # message rate and ratio do not change
+
+
+def test_daemon_load_rides_in_the_row_and_gets_a_line_of_its_own() -> None:
+    load = DaemonLoad(cpu_pct=(99.5, 80.25), busy_pct=(97.0, 50.5))
+    row = Row("write_bw", 65536, bandwidth_stats(65536, 0, [10**6, 2 * 10**6], 1),
+              bandwidth_stats(65536, 0, [2 * 10**6, 4 * 10**6], 1), daemons=load)  # fmt: skip
+    obj = json.loads(json.dumps(row_json(row)))
+    assert obj["daemon_cpu_pct"] == {"client": 99.5, "server": 80.25}
+    assert obj["daemon_busy_pct"] == {"client": 97.0, "server": 50.5}
+    assert row_from_json(obj) == row
+    lines = format_row(row)
+    assert len(lines) == 3 and lines[1] == " daemon CPU[%]: client 99.5 (busy 97.0), server 80.2 (busy 50.5)"
+    assert "daemon_cpu_pct" not in row_json(Row("write_bw", 65536, row.ours))

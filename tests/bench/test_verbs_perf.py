@@ -463,3 +463,14 @@ def test_unsorted_samples_ride_in_the_json_row(capsys: pytest.CaptureFixture[str
     assert len(samples) == 25
     again = latency_stats([round(us * 1000) for us in samples])
     assert again.t_typical_us == pytest.approx(row["t_typical_us"]) and again.t_max_us == pytest.approx(row["t_max_us"])
+
+
+@pytest.mark.parametrize("argv", [["write_bw", "-s", "20000", "-n", "300"], ["send_lat", "-n", "50"]],
+                         ids=["write_bw", "send_lat"])
+def test_cpu_util_reports_both_daemons(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    rc, rows, err = _run(capsys, *argv, "--cpu_util", "--local", "--json")
+    assert rc == 0, err
+    (row,) = rows
+    for key in ("daemon_cpu_pct", "daemon_busy_pct"):
+        # shares of the run's wall time: a daemon has one data loop
+        assert set(row[key]) == {"client", "server"} and all(0 < v < 150 for v in row[key].values()), row
