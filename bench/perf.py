@@ -17,9 +17,12 @@ each step bracketed by :meth:`ControlChannel.exchange` (the barrier):
    the control connection uses and the two exchange ports;
 2. for every size: the udpverbs run (:mod:`udpverbs.bench.verbs_perf`; it
    ends with the server checking the client's count of completed operations
-   against what arrived), then the baseline run (:mod:`udpverbs.bench.rawudp`) between the same two
-   processes; the client computes the statistics, prints the row, and sends
-   it to the server, which prints it too (a perftest server also reports);
+   against what arrived; under ``--cpu_util`` the server then sends its
+   daemon's load, ``cpu``), then the baseline run
+   (:mod:`udpverbs.bench.rawudp`) between the same two processes; under
+   ``-b`` the server then sends its own figures (``bw-report``); the client
+   computes the statistics, prints the row, and sends it to the server,
+   which prints it too (a perftest server also reports);
 3. ``bye``.
 
 A side that fails tells the other (``{"op": "error"}``) before raising, so
@@ -176,7 +179,7 @@ class PerfParams:
     #: one post_send (one doorbell) per chain
     post_list: int = 1
     #: perftest's --cpu_util, for what udpverbs adds: each side's daemon's
-    #: CPU time over the run, as a share of one CPU
+    #: CPU and busy time over every run (report.DaemonLoad)
     cpu_util: bool = False
 
     @property
