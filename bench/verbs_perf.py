@@ -212,27 +212,7 @@ class VerbsSide:
         self.ctx = open_context(verbs, device)
         try:
             dev = self.ctx.query_device()
-            # Receives posted from the start: send_lat's server has one, the
-            # send_bw server (both sides under -b) rx_depth on every QP; the
-            # send_lat client posts its own as it goes.
-            if spec.verb != "send" or (is_client and not params.bidirectional):
-                self.rx_depth = 0
-            elif spec.is_latency:
-                self.rx_depth = 1
-            else:
-                self.rx_depth = -(-params.rx_total() // params.qps)
-            # --use_srq: one pool holds every QP's receives
-            self.srq_size = params.rx_total() if spec.name == "send_bw" and self.rx_depth else max(1, self.rx_depth)
-            where, posted = ("SRQ", self.srq_size) if params.use_srq else ("QP", self.rx_depth)
-            if params.rx_depth is not None and posted > dev.max_qp_wr:
-                self.close()
-                raise VerbsRunError(f"-r {params.rx_depth}: the device takes at most {dev.max_qp_wr} receives "
-                                    f"per {where}")  # fmt: skip
-            # the default follows -t and -q: the device's limit bounds it
-            self.rx_depth = min(self.rx_depth, dev.max_qp_wr)
-            self.srq_size = min(self.srq_size, dev.max_qp_wr)
-            #: send_bw: what a receiving side keeps posted, all QPs together (the banner's RX depth)
-            self.rx_total = min(params.rx_total(), dev.max_qp_wr * (1 if params.use_srq else params.qps))
+            self._size_receives(params, dev)
             self.pd = verbs.PD(self.ctx)
             self.mr = verbs.MR(self.pd, 2 * self.half, self.access)
             self._recv_wr = verbs.RecvWR(sg=[verbs.SGE(self.mr.buf + self.half, self.half, self.mr.lkey)])
@@ -261,6 +241,34 @@ class VerbsSide:
         except (verbs.VerbsError, verbs.UserError, TimeoutError) as e:
             self.close()
             raise VerbsRunError(f"setting up udpverbs resources failed: {e}") from e
+
+    def _size_receives(self, params: Any, dev: Any) -> None:
+        """Set the receives this side keeps posted: ``rx_depth`` per QP,
+        ``srq_size`` under --use_srq, and ``rx_total`` (send_bw's banner).
+
+        send_lat's server starts with one posted and its client posts its
+        own as it goes; send_bw's receiving side (both under -b) keeps -r
+        posted, shared out among its QPs.  The default follows -t and -q
+        and the device's ``max_qp_wr`` bounds it; an -r beyond it is refused.
+        Raises: VerbsRunError (after closing) for such an -r.
+        """
+        spec = params.spec
+        total = params.rx_total()
+        cap = dev.max_qp_wr  # a QP's receive queue, or an SRQ
+        self.rx_total = min(total, cap * (1 if params.use_srq else params.qps))
+        if spec.verb != "send" or (self.is_client and not params.bidirectional):
+            self.rx_depth = 0
+        elif spec.is_latency:
+            self.rx_depth = 1
+        else:
+            self.rx_depth = -(-total // params.qps)
+        self.srq_size = total if spec.name == "send_bw" and self.rx_depth else max(1, self.rx_depth)
+        where, posted = ("SRQ", self.srq_size) if params.use_srq else ("QP", self.rx_depth)
+        if params.rx_depth is not None and posted > cap:
+            self.close()
+            raise VerbsRunError(f"-r {params.rx_depth}: the device takes at most {cap} receives per {where}")
+        self.rx_depth = min(self.rx_depth, cap)
+        self.srq_size = min(self.srq_size, cap)
 
     # -- set-up -------------------------------------------------------------------
     def connect(self) -> None:
