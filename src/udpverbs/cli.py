@@ -378,7 +378,8 @@ def cmd_perf(args: argparse.Namespace) -> int:
     else:
         rows = run_server(args)
     if args.plot:
-        plot_rows(rows, args.plot, title=f"udpverbs {params.test}")
+        both = " -b (the two directions' sum)" if params.bidirectional else ""
+        plot_rows(rows, args.plot, title=f"udpverbs {params.test}{both}")
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
