@@ -36,7 +36,8 @@ async def run(cfg: dict[str, Any]) -> None:
     check_socket_free(path)
     device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
                                  spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
-                                 link=cfg["link"], gso=cfg["gso"], native=cfg["native"]))
+                                 link=cfg["link"], gso=cfg["gso"], native=cfg["native"],
+                                 rx_dispatch_budget=int(cfg["rx_dispatch_budget"])))
     try:
         try:
             ip, port = device.bind()

@@ -76,11 +76,15 @@ def parser() -> argparse.ArgumentParser:
                    help="send and receive every datagram with its own system call (no UDP_SEGMENT / UDP_GRO batching)")
     p.add_argument("--no-native", dest="native", action="store_const", const=False,
                    help="build and place tagged segments in Python only (no compiled lanes; see wire/native.py)")
+    p.add_argument("--rx-dispatch-budget", type=int, metavar="N",
+                   help="datagrams of one GRO batch that go through the Python path per pass, the rest in the next "
+                   "passes, so that answers to the first leave sooner (default 8; 0: no limit)")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
 
-_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native")
+_KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native",
+         "rx_dispatch_budget")
 
 
 def parse_flags(argv: list[str] | None) -> argparse.Namespace:
@@ -114,7 +118,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     args = parser().parse_args(argv) if exit_on_error else parse_flags(argv)
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
-                           "cc": "efe-host", "gso": True, "native": True}
+                           "cc": "efe-host", "gso": True, "native": True, "rx_dispatch_budget": 8}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
@@ -144,6 +148,12 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     return cfg
 
 
+def _whole(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be a whole number, not {value!r}")
+    return value
+
+
 def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
     """:func:`load`, then every value checked as the daemon would use it,
     before anything is bound (the log level; the MTU, congestion control
@@ -157,5 +167,6 @@ def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> d
     cfg = load(argv, exit_on_error=exit_on_error)
     if not isinstance(logging.getLevelName(str(cfg["log_level"]).upper()), int):
         raise ValueError(f"unknown log level {cfg['log_level']!r}; have DEBUG, INFO, WARNING, ERROR")
-    link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"]))
+    link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"],
+                             rx_dispatch_budget=_whole(cfg["rx_dispatch_budget"], "rx_dispatch_budget")))
     return cfg

@@ -11,7 +11,11 @@ waking a trio task per event costs hundreds of microseconds (measured in
    epoll of the socket alone says first whether there are any) and feed them
    to the peer's ``transport.Link`` (a new INIT from an unknown address opens
    a passive link);
-   with UDP_GRO one receive may hold many datagrams of one size, split here;
+   with UDP_GRO one receive may hold many datagrams of one size, split here.
+   At most ``rx_dispatch_budget`` of one such batch take the Python path in
+   a pass; a pass that left part of a batch starts the next one there,
+   before it reads the socket, so the answers to the first part leave
+   while the peer still has work (``Device._receive``);
 2. dispatch every in-order message the links deliver: DDP segments to their
    QP (``qp.py``), CM messages to the connection manager;
 3. fire link timers that are due, react to link events (a failed link fails
@@ -333,7 +337,7 @@ class DeviceConfig:
                  max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
-                 gso: bool = True, native: bool = True) -> None:
+                 gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -353,6 +357,13 @@ class DeviceConfig:
         self.gso = gso
         #: the compiled lanes for tagged segments, receive and send (wire/native.py)
         self.native = native
+        if rx_dispatch_budget < 0:
+            raise ValueError("rx_dispatch_budget must be 0 (no limit) or more")
+        #: the most datagrams of one GRO buffer that go through the Python
+        #: path in one pass (0: no limit); the rest wait for the next pass,
+        #: so that the answers to the first leave before the rest are worked
+        #: through (see Device._receive)
+        self.rx_dispatch_budget = rx_dispatch_budget
 
 
 def _arrival(stamp: float, now: float) -> float:
@@ -440,6 +451,9 @@ class Device:
         #: wall time of the data loop's passes that found work (the rest of
         #: its time it spins or sleeps): what a run keeps the daemon busy
         self.busy_s = 0.0
+        #: the part of a GRO buffer a pass left for the next (Device._receive):
+        #: (link, buffer, offset, segment size, arrival time)
+        self._rx_rest: tuple[PeerLink, bytes, int, int, float] | None = None
         self.now = 0.0
         self.sock: socket.socket | None = None
         self._rx_epoll: select.epoll | None = None  # the socket alone (bind); None: just try to read
@@ -645,7 +659,12 @@ class Device:
         sock = self.sock
         links = self.links
         rx = self._rx_epoll
-        if sock is not None and (rx is None or rx.poll(0)):
+        if self._rx_rest is not None:
+            # Finish the buffer a pass left before reading the socket again:
+            # what it holds arrived first.
+            self._receive_rest(now)
+            progress = True
+        elif sock is not None and (rx is None or rx.poll(0)):
             touched: set[PeerLink] = set()
             gro = self.gro
             cmsgs = gro or self.rx_stamps
@@ -705,6 +724,8 @@ class Device:
                         data = data[start:]
                 self._receive(pl, data, seg, now, arrived)
                 touched.add(pl)
+                if self._rx_rest is not None:
+                    break  # the rest of that buffer first, next pass
             if touched:
                 progress = True
                 for pl in touched:
@@ -794,9 +815,19 @@ class Device:
             self.check_pass()
         return progress
 
-    def _receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float) -> None:
-        """Feed one received buffer to ``pl``'s link: a datagram, or (``seg`` <
-        its length) datagrams of ``seg`` bytes coalesced by GRO.
+    def _receive_rest(self, now: float) -> None:
+        """Go on with the buffer an earlier pass left (``_rx_rest``), within the budget again."""
+        assert self._rx_rest is not None
+        pl, data, off, seg, arrived = self._rx_rest
+        self._rx_rest = None
+        self._receive(pl, data, seg, now, arrived, off)
+        for msg in pl.link.drain_received():
+            self._dispatch(pl, msg)
+
+    def _receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float, off: int = 0) -> None:
+        """Feed one received buffer to ``pl``'s link from offset ``off``: a
+        datagram, or (``seg`` < its length) datagrams of ``seg`` bytes
+        coalesced by GRO.
 
         While the peer streams an RDMA Write or Read Responses, runs of their
         segments go to the compiled lane (``_place_run``), and so do the
@@ -804,6 +835,15 @@ class Device:
         through the link one by one, and whatever they deliver is dispatched
         at once: a later segment must not be placed before an earlier
         message has had its effect (a Send with Invalidate, say).
+
+        At most ``rx_dispatch_budget`` datagrams of the buffer take that
+        Python path in one call; the rest is kept in ``_rx_rest`` for the
+        next pass, which finishes it before it reads the socket again.  The
+        pass in between sends the answers to the first (atomic and Read
+        responses, ACKs), so the peer works on those while we work on the
+        rest: without it, a batch of requests and a batch of answers
+        alternate between two daemons that each idle half the time
+        (atomic_bw; the README's "Which daemon sets the pace").
         """
         link = pl.link
         n = len(data)
@@ -815,11 +855,11 @@ class Device:
                 link.datagram_received(data, now, arrived)
             else:
                 view = memoryview(data)
-                for off in range(0, n, seg):
-                    link.datagram_received(view[off:off + seg], now, arrived)
+                for at in range(off, n, seg):
+                    link.datagram_received(view[at:at + seg], now, arrived)
             return
         view = memoryview(data)
-        off = 0
+        budget = self.config.rx_dispatch_budget or n
         while off < n:
             if pl.rx_hint is not None:
                 off += self._place_run(pl, data, off, seg, now, arrived)
@@ -829,6 +869,10 @@ class Device:
             off += seg
             for msg in link.drain_received():
                 self._dispatch(pl, msg)
+            budget -= 1
+            if not budget and off < n:
+                self._rx_rest = (pl, data, off, seg, arrived)
+                return
 
     def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float) -> int:
         """Place the run of RDMA Write (or Read Response, or Send) segments

@@ -37,8 +37,9 @@ class Host:
 
     QP_CAPS = {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 4, "max_recv_sge": 1, "max_inline_data": 0}
 
-    def __init__(self, ip: str, *, gso: bool, mtu: int = 1472, native: bool = True) -> None:
-        self.dev = Device(DeviceConfig(addr=ip, port=0, seed=hash(ip) & 0xFFFF, mtu=mtu, gso=gso, native=native))
+    def __init__(self, ip: str, *, gso: bool, mtu: int = 1472, native: bool = True, rx_dispatch_budget: int = 8) -> None:
+        self.dev = Device(DeviceConfig(addr=ip, port=0, seed=hash(ip) & 0xFFFF, mtu=mtu, gso=gso, native=native,
+                                       rx_dispatch_budget=rx_dispatch_budget))
         self.dev.bind()
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._ctl = trio.socket.from_stdlib_socket(a)
@@ -193,6 +194,56 @@ async def test_without_gso_every_datagram_is_its_own_system_call() -> None:
     a, b = await _write_and_check(gso=False, mtu=1472, length=100_000)
     assert not a.dev.gso and not b.dev.gro
     assert a.dev.stats["tx_gso_sends"] == 0 and b.dev.stats["rx_gro_batches"] == 0
+
+
+@pytest.mark.parametrize("budget, parts", [(8, [8, 8]), (5, [5, 5, 5, 1]), (0, [16])])
+async def test_a_batch_of_requests_is_answered_in_parts(budget: int, parts: list[int]) -> None:
+    # 16 Read Requests leave in one GSO send and arrive in one GRO buffer.
+    # The responder works through at most `budget` of them per pass, and
+    # each pass sends the answers to its part before the next pass takes
+    # the rest, so the requester can start on them (0: all in one pass).
+    a, b = (Host(ip, gso=True, rx_dispatch_budget=budget) for ip in ("127.0.0.2", "127.0.0.3"))
+    a.connect(b)
+    b.connect(a)
+    for h in (a, b):
+        h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
+    b.mr.view[:16 * 64] = bytes(range(256)) * 4
+    await establish(a, b)
+    if not (a.dev.gso and b.dev.gro):
+        pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
+    for i in range(16):
+        a.post_write(i, 4096 + 64 * i, 2, b, 64 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
+    gso_before = a.dev.stats["tx_gso_sends"]
+    a.dev.poll_once()
+    assert a.dev.stats["tx_gso_sends"] == gso_before + 1  # one batch of 16
+    sent, answered = [], 0
+    base = b.dev.dump_stats()["link_data_sent"]
+    for _ in range(200):
+        b.dev.poll_once()
+        n = b.dev.dump_stats()["link_data_sent"] - base - answered
+        if n:
+            sent.append(n)
+            answered += n
+        if answered >= 16:
+            break
+        await trio.sleep(0.001)
+    assert sent == parts
+    done: list[tuple[int, int]] = []
+    for _ in range(2000):
+        a.dev.poll_once()
+        b.dev.poll_once()
+        done += a.completions()
+        if len(done) == 16:
+            break
+    assert sorted(done) == [(i, W.IBV_WC_SUCCESS) for i in range(16)]
+    assert all(bytes(a.mr.view[4096 + 64 * i:4096 + 64 * i + 2]) == bytes(b.mr.view[64 * i:64 * i + 2]) for i in range(16))
+    a.close()
+    b.close()
+
+
+def test_the_dispatch_budget_is_not_negative() -> None:
+    with pytest.raises(ValueError, match="rx_dispatch_budget"):
+        DeviceConfig(rx_dispatch_budget=-1)
 
 
 class RecordingSocket:

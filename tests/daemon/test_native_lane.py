@@ -106,6 +106,8 @@ def _receive(host: Host, pl: object, receives: list[tuple[bytes, int]], now: flo
     dev = host.dev
     for buf, seg in receives:
         dev._receive(pl, buf, seg, now, now)  # type: ignore[arg-type]
+        while dev._rx_rest is not None:  # what the next passes would do first (rx_dispatch_budget)
+            dev._receive_rest(now)
     for msg in pl.link.drain_received():  # type: ignore[attr-defined]
         dev._dispatch(pl, msg)  # type: ignore[arg-type]
 
