@@ -820,6 +820,8 @@ class Device:
         assert self._rx_rest is not None
         pl, data, off, seg, arrived = self._rx_rest
         self._rx_rest = None
+        if self.links.get(pl.addr) is not pl:
+            return  # the link went away in between: what it held goes with it
         self._receive(pl, data, seg, now, arrived, off)
         for msg in pl.link.drain_received():
             self._dispatch(pl, msg)

@@ -241,6 +241,34 @@ async def test_a_batch_of_requests_is_answered_in_parts(budget: int, parts: list
     b.close()
 
 
+async def test_the_rest_of_a_batch_goes_with_its_link() -> None:
+    # a link that ends between two passes takes the part of a batch it left
+    a, b = (Host(ip, gso=True, rx_dispatch_budget=4) for ip in ("127.0.0.2", "127.0.0.3"))
+    a.connect(b)
+    b.connect(a)
+    for h in (a, b):
+        h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
+    await establish(a, b)
+    if not (a.dev.gso and b.dev.gro):
+        pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
+    for i in range(16):
+        a.post_write(i, 4096 + 64 * i, 2, b, 64 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
+    a.dev.poll_once()
+    for _ in range(200):
+        b.dev.poll_once()
+        if b.dev._rx_rest is not None:
+            break
+        await trio.sleep(0.001)
+    assert b.dev._rx_rest is not None
+    pl = b.dev._rx_rest[0]
+    del b.dev.links[pl.addr]
+    received = pl.link.stats.data_received
+    b.dev.poll_once()
+    assert b.dev._rx_rest is None and pl.link.stats.data_received == received
+    a.close()
+    b.close()
+
+
 def test_the_dispatch_budget_is_not_negative() -> None:
     with pytest.raises(ValueError, match="rx_dispatch_budget"):
         DeviceConfig(rx_dispatch_budget=-1)
