@@ -719,10 +719,10 @@ class VerbsSide:
         depth = self.depth
         cq_mod = self.params.cq_mod()
         nq = len(self.qps)
-        wrs = [self._work_request(size) for _ in self.qps]
-        # -l: each QP posts chains of plist WRs (next_wr), one post_send each
+        # Each QP posts chains of plist WRs (next_wr, perftest's -l), one
+        # post_send each; without -l a chain is one WR.
         plist = self.params.post_list
-        chains = [self._chain(size, plist) for _ in self.qps] if plist > 1 else None
+        chains = [self._chain(size, plist) for _ in self.qps]
         # Iterations are shared out among the QPs; under -D every QP stops on
         # a signaled WR (a multiple of cq_mod), so no unsignaled tail is left
         # that no completion would ever retire.
@@ -747,40 +747,26 @@ class VerbsSide:
             for k in range(nq):
                 if finished[k]:
                     continue
-                qp, wr = self.qps[k], wrs[k]
-                if chains is not None:
-                    chain = chains[k]
-                    while True:
-                        n = posted[k]
-                        if (n >= quota[k]) if quota is not None else (expired and n % cq_mod == 0):
-                            finished[k] = True
-                            break
-                        m = plist if quota is None else min(plist, quota[k] - n)  # the quota's tail: shorter
-                        if n - done[k] + m > depth:
-                            break
-                        for j in range(m):
-                            n += 1
-                            w = chain[j]
-                            w.wr_id = n
-                            last = quota is not None and n == quota[k]
-                            w.send_flags = (signaled if (n % cq_mod == 0 or last) else 0) | inline
-                        if m < plist:
-                            chain[m - 1].next_wr = None
-                        qp.post_send(chain[0])
-                        if m < plist:
-                            chain[m - 1].next_wr = chain[m]
-                        posted[k] = n
-                    continue
-                while posted[k] - done[k] < depth:
+                qp, chain = self.qps[k], chains[k]
+                while True:
                     n = posted[k]
                     if (n >= quota[k]) if quota is not None else (expired and n % cq_mod == 0):
                         finished[k] = True
                         break
-                    n += 1
-                    wr.wr_id = n
-                    last = quota is not None and n == quota[k]
-                    wr.send_flags = (signaled if (n % cq_mod == 0 or last) else 0) | inline
-                    qp.post_send(wr)
+                    m = plist if quota is None else min(plist, quota[k] - n)  # the quota's tail: shorter
+                    if n - done[k] + m > depth:
+                        break
+                    for j in range(m):
+                        n += 1
+                        w = chain[j]
+                        w.wr_id = n
+                        last = quota is not None and n == quota[k]
+                        w.send_flags = (signaled if (n % cq_mod == 0 or last) else 0) | inline
+                    if m < plist:
+                        chain[m - 1].next_wr = None
+                    qp.post_send(chain[0])
+                    if m < plist:
+                        chain[m - 1].next_wr = chain[m]
                     posted[k] = n
             if all(finished) and posted == done:
                 break
