@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence, TextIO
 from . import rawudp
 from .control import ControlChannel, ControlError
 from .report import (RESULT_LINE, DaemonLoad, Row, Stats, banner, columns, format_row, row_from_json, row_json,
-                     stats_from_json)
+                     stats_from_json, stats_json)
 from .stats import BandwidthStats, both_directions, bandwidth_stats, latency_stats
 
 #: Version of the control conversation; both sides must speak the same.
@@ -387,10 +387,6 @@ class OutputOptions:
     samples: str | None = None
 
 
-def _stats_obj(stats: Stats | None) -> dict[str, Any] | None:
-    return None if stats is None else dataclasses.asdict(stats)
-
-
 def warmup_iters(iters: int) -> int:
     """Return the round trips run before measuring (caches, page faults, daemons' spin)."""
     return min(100, max(1, iters // 10))
@@ -594,7 +590,8 @@ class Session:
         Raises: ControlError if the server's report is malformed.
         """
         if not self.is_client:
-            self.ctrl.send({"op": "bw-report", "ours": _stats_obj(ours), "baseline": _stats_obj(base)})
+            figures = {key: None if s is None else stats_json(s) for key, s in (("ours", ours), ("baseline", base))}
+            self.ctrl.send({"op": "bw-report", **figures})
             return ours, base
         msg = self.ctrl.expect("bw-report", STEP_TIMEOUT_S)
         sums: list[Stats | None] = []

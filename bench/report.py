@@ -120,9 +120,14 @@ def row_json(row: Row) -> dict[str, Any]:
         out["daemon_busy_pct"] = dict(zip(_SIDES, row.daemons.busy_pct))
     out.update(main.as_dict())
     if row.ours is not None and row.baseline is not None:
-        out["baseline"] = {"name": row.baseline_name, "iterations": row.baseline.iterations, **row.baseline.as_dict()}
+        out["baseline"] = {"name": row.baseline_name, **stats_json(row.baseline)}
         out["ratio"] = _ratios(row.ours, row.baseline)
     return out
+
+
+def stats_json(stats: Stats) -> dict[str, Any]:
+    """Return one side's figures as a JSON object: ``iterations`` and the figure keys."""
+    return {"iterations": stats.iterations, **stats.as_dict()}
 
 
 def stats_from_json(d: dict[str, Any]) -> Stats:
