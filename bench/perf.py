@@ -266,10 +266,10 @@ class PerfParams:
             # last, so up to cq_mod - gcd WRs can wait unsignaled: a list more
             # must still fit, or nothing would ever complete them.
             cq, lst = self.cq_mod(), self.post_list
-            if cq - math.gcd(cq, lst) + lst > self.depth():
-                raise PerfUsageError(f"-Q {cq} and -l {lst}: up to {cq - math.gcd(cq, lst)} WRs could wait unsignaled "
-                                     f"with no room for another list; make -t at least {cq - math.gcd(cq, lst) + lst} "
-                                     "or -Q a multiple of -l")  # fmt: skip
+            waiting = cq - math.gcd(cq, lst)
+            if waiting + lst > self.depth():
+                raise PerfUsageError(f"-Q {cq} and -l {lst}: up to {waiting} WRs could wait unsignaled with no room "
+                                     f"for another list; make -t at least {waiting + lst} or -Q a multiple of -l")
         if self.cpu_util and self.baseline_only:
             raise PerfUsageError("--cpu_util measures the daemons: --baseline-only starts none")
         if self.bidirectional and spec.is_latency:
