@@ -37,7 +37,7 @@ async def run(cfg: dict[str, Any]) -> None:
     device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
                                  spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
                                  link=cfg["link"], gso=cfg["gso"], native=cfg["native"],
-                                 rx_dispatch_budget=int(cfg["rx_dispatch_budget"])))
+                                 rx_dispatch_budget=cfg["rx_dispatch_budget"]))
     try:
         try:
             ip, port = device.bind()

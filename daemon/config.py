@@ -134,6 +134,9 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     for key in ("gso", "native"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"{key} must be true or false, not {cfg[key]!r}")
+    budget = cfg["rx_dispatch_budget"]
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(f"rx_dispatch_budget must be a whole number, not {budget!r}")
     check_mtu(cfg["mtu"])
     link = dict(cfg.pop("link", {}) or {})
     for item in args.link:
@@ -146,12 +149,6 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     if cfg["socket"] is None:
         cfg["socket"] = socket_path(cfg["name"])
     return cfg
-
-
-def _whole(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be a whole number, not {value!r}")
-    return value
 
 
 def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
@@ -168,5 +165,5 @@ def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> d
     if not isinstance(logging.getLevelName(str(cfg["log_level"]).upper()), int):
         raise ValueError(f"unknown log level {cfg['log_level']!r}; have DEBUG, INFO, WARNING, ERROR")
     link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"],
-                             rx_dispatch_budget=_whole(cfg["rx_dispatch_budget"], "rx_dispatch_budget")))
+                             rx_dispatch_budget=cfg["rx_dispatch_budget"]))
     return cfg
