@@ -129,6 +129,8 @@ TESTS: dict[str, TestSpec] = {
     )
 }
 BASELINES = ("raw-udp",)
+#: perftest's -A choices, in its order
+ATOMIC_TYPES = ("CMP_AND_SWAP", "FETCH_AND_ADD")
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,9 @@ class PerfParams:
     #: perftest's --cpu_util, for what udpverbs adds: each side's daemon's
     #: CPU and busy time over every run (report.DaemonLoad)
     cpu_util: bool = False
+    #: perftest's -A: the atomic tests' operation, one of ATOMIC_TYPES (None:
+    #: FETCH_AND_ADD, perftest's default)
+    atomic_type: str | None = None
 
     @property
     def spec(self) -> TestSpec:
@@ -274,7 +279,16 @@ class PerfParams:
             raise PerfUsageError("--cpu_util measures the daemons: --baseline-only starts none")
         if self.bidirectional and spec.is_latency:
             raise PerfUsageError(f"-b applies to bandwidth tests: {self.test} is a ping-pong, both ways already")
+        if self.atomic_type is not None:
+            if spec.verb != "atomic":
+                raise PerfUsageError(f"-A does not apply to {self.test}: it chooses the atomic tests' operation")
+            if self.atomic_type not in ATOMIC_TYPES:
+                raise PerfUsageError(f"unknown atomic type {self.atomic_type!r}; choose one of {', '.join(ATOMIC_TYPES)}")
         return self
+
+    def atomic(self) -> str:
+        """Return the atomic tests' operation (perftest's -A): CMP_AND_SWAP or FETCH_AND_ADD."""
+        return self.atomic_type or "FETCH_AND_ADD"
 
     def inline(self) -> int:
         """Return the largest message posted inline (0: none)."""
@@ -284,7 +298,7 @@ class PerfParams:
 
     def title(self) -> str:
         """Return the banner's title line (perftest's under -b; an RNR run says its latencies include the delay)."""
-        title = self.spec.title
+        title = self.spec.title.replace("FETCH_AND_ADD", self.atomic())  # perftest names the operation
         if self.bidirectional:
             title = title.replace(" BW Test", " Bidirectional BW Test")  # perftest's title under -b
         if self.rnr_delay_us:
@@ -370,10 +384,10 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "qps": (int,), "tx_depth": (int,), "mtu": (int,), "baseline": (str,), "baseline_only": (bool,),
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
     "inline_size": (int,), "outs": (int,), "bidirectional": (bool,), "use_srq": (bool,), "rx_depth": (int,),
-    "cq_moderation": (int,), "post_list": (int,), "cpu_util": (bool,),
+    "cq_moderation": (int,), "post_list": (int,), "cpu_util": (bool,), "atomic_type": (str,),
 }  # fmt: skip
 _OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs", "rx_depth",
-             "cq_moderation"}
+             "cq_moderation", "atomic_type"}
 
 
 @dataclass(frozen=True)
@@ -550,7 +564,9 @@ class Session:
             if p.bidirectional:
                 ours, base = self._both_ways(ours, base)
             if self.is_client:
-                row = Row(p.test, size, ours, base, p.baseline or "raw-udp", p.rnr_delay_us, p.bidirectional, daemons)
+                atomic = p.atomic() if p.spec.verb == "atomic" and not p.baseline_only else None
+                row = Row(p.test, size, ours, base, p.baseline or "raw-udp", p.rnr_delay_us, p.bidirectional, daemons,
+                          atomic)
                 self.ctrl.send({"op": "row", "row": row_json(row)})
             else:
                 msg = self.ctrl.expect("row", STEP_TIMEOUT_S)

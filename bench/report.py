@@ -64,6 +64,8 @@ class Row:
     bidirectional: bool = False
     #: --cpu_util: what the two daemons spent over the run
     daemons: DaemonLoad | None = None
+    #: atomic tests: the operation measured (perftest's -A), else None
+    atomic_type: str | None = None
 
     @property
     def main(self) -> Stats:
@@ -102,7 +104,9 @@ def row_json(row: Row) -> dict[str, Any]:
     perftest prints them.  ``--cpu_util`` adds ``daemon_cpu_pct`` and
     ``daemon_busy_pct``, each ``{"client": …, "server": …}``: each daemon's
     CPU time, and the time its data loop found work, over the run in % of
-    the run's wall time (see :class:`DaemonLoad`).
+    the run's wall time (see :class:`DaemonLoad`).  The atomic tests'
+    rows say which operation they measured: ``atomic_type``,
+    ``"FETCH_AND_ADD"`` or ``"CMP_AND_SWAP"`` (``-A``).
     """
     main = row.main
     out: dict[str, Any] = {
@@ -115,6 +119,8 @@ def row_json(row: Row) -> dict[str, Any]:
         out["rnr_delay_us"] = row.rnr_delay_us
     if row.bidirectional:
         out["bidirectional"] = True
+    if row.atomic_type is not None:
+        out["atomic_type"] = row.atomic_type
     if row.daemons is not None:
         out["daemon_cpu_pct"] = dict(zip(_SIDES, row.daemons.cpu_pct))
         out["daemon_busy_pct"] = dict(zip(_SIDES, row.daemons.busy_pct))
@@ -147,6 +153,9 @@ def row_from_json(obj: dict[str, Any]) -> Row:
     main = stats_from_json(obj)
     rnr = int(obj.get("rnr_delay_us", 0))
     both = obj.get("bidirectional") is True
+    atomic = obj.get("atomic_type")
+    if atomic is not None and not isinstance(atomic, str):
+        raise TypeError(f"atomic_type {atomic!r} is not a name")
     if obj["transport"] == "udpverbs":
         base = stats_from_json(obj["baseline"]) if "baseline" in obj else None
         name = obj["baseline"]["name"] if "baseline" in obj else "raw-udp"
@@ -155,8 +164,8 @@ def row_from_json(obj: dict[str, Any]) -> Row:
             cpu, busy = obj["daemon_cpu_pct"], obj["daemon_busy_pct"]
             load = DaemonLoad((float(cpu["client"]), float(cpu["server"])),
                               (float(busy["client"]), float(busy["server"])))
-        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr, both, load)
-    return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]), rnr, both)
+        return Row(str(obj["test"]), int(obj["bytes"]), main, base, name, rnr, both, load, atomic)
+    return Row(str(obj["test"]), int(obj["bytes"]), None, main, str(obj["transport"]), rnr, both, atomic_type=atomic)
 
 
 def columns(is_latency: bool, with_ratio: bool, *, gbits: bool = False) -> str:

@@ -8,8 +8,8 @@ daemon address (GID + UDP port) over the control connection, as perftest
 does out of band, then move their QPs to RTS.  The MR has two halves: the
 first is the source of what this side sends, the second is where the peer's
 RDMA Writes and Sends land, so a side never mistakes its own marker for the
-peer's (atomics: the counter word the peer adds to starts the second half,
-the old value a Fetch-and-Add fetches the first).
+peer's (atomics: the words the peer's atomics advance start the second
+half, the old value an atomic fetches lands at the start of the first).
 
 Per message size:
 
@@ -34,7 +34,11 @@ Per message size:
   completion; the whole round trip is reported, as perftest does for reads
   and atomics.  Each Fetch-and-Add's old value (host byte order, at the
   start of this side's first half) must be the server's starting value
-  plus the number of adds before it.
+  plus the number of adds before it.  Under ``-A CMP_AND_SWAP`` each
+  Compare-and-Swap expects that same value and swaps in one more, so the
+  same check holds and every swap must succeed; in atomic_bw each QP swaps
+  a word of its own (the responder executes a QP's atomics in the order
+  they arrive, so the QP's stream knows the value its word will hold).
 * ``write_bw`` / ``read_bw`` / ``send_bw`` / ``atomic_bw``: the client
   keeps ``tx_depth`` WRs in flight on every QP, signals one WR in
   ``cq_mod`` (a signaled completion retires the unsignaled WRs before it on
@@ -54,7 +58,7 @@ Per message size:
 
 Every run ends with a check of what reached the server: the client says how
 many operations completed, and the server compares it with the receives it
-counted (send tests) or with how far its counter word advanced (atomics);
+counted (send tests) or with how far its target words advanced (atomics);
 a mismatch fails the run on both sides.  Under ``-b`` each side tells the
 other its count and checks the stream it received.  Data-path failures
 arrive as work completions with a status; the first bad status stops the
@@ -174,6 +178,24 @@ def _finished(i: int, warmup: int, iters: int, deadline: int | None) -> bool:
     return time.perf_counter_ns() >= deadline if deadline is not None else measured >= iters
 
 
+def _cas_operands(wr: Any, start: int, i: int) -> None:
+    """Make ``wr`` the ``i``-th (from 0) Compare-and-Swap on a word that held
+    ``start``: it expects ``start + i`` and swaps in one more."""
+    wr.compare_add = (start + i) & _U64
+    wr.swap = (start + i + 1) & _U64
+
+
+def _peer_words(msg: dict[str, Any], n: int) -> list[int]:
+    """The peer's ``n`` target words before a run (``counters``), checked.
+
+    Raises: ControlError if they are missing or not ``n`` integers.
+    """
+    words = msg.get("counters")
+    if not isinstance(words, list) or len(words) != n or not all(type(w) is int for w in words):
+        raise ControlError(f"the peer sent {words!r} as its {n} atomic target word(s)")
+    return words
+
+
 def _peer_int(msg: dict[str, Any], key: str) -> int:
     v = msg.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -193,8 +215,9 @@ class VerbsSide:
         self.ctrl = ctrl
         self.is_client = is_client
         self.depth = params.depth()
-        self.half = max(params.sizes())
         spec = params.spec
+        # Atomics: each QP's Compare-and-Swaps go to a word of their own (see _targets)
+        self.half = max(*params.sizes(), 8 * params.qps if spec.verb == "atomic" else 0)
         self.access = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
         if spec.verb == "atomic":
             self.access |= E.IBV_ACCESS_REMOTE_ATOMIC
@@ -204,6 +227,8 @@ class VerbsSide:
         self._done: dict[str, Any] | None = None  # the peer's "done", once it has come
         self._count = 0  # operations this run: completed (client) or received (server)
         self._received = 0  # send_bw: the peer's Sends received this run
+        self.cas = spec.verb == "atomic" and params.atomic() == "CMP_AND_SWAP"
+        self._starts: list[int] = []  # atomics: the peer's target words before this run (_targets)
         self.srq: Any = None  # --use_srq's shared receive queue
         self.samples_ns: list[int] = []  # the client's last latency run, in the order measured (-H/-U)
         # How often (in turns) a waiting side looks at the clock and the control
@@ -331,21 +356,23 @@ class VerbsSide:
             text(r["qpns"][0], r["rkey"], r["addr"], r["gid"], r["port"]),
         )
 
-    def _work_request(self, size: int) -> Any:
-        """Return a signaled WR of this test's verb for one message of ``size`` bytes.
+    def _work_request(self, size: int, k: int = 0) -> Any:
+        """Return a signaled WR of this test's verb for one message of ``size`` bytes on QP ``k``.
 
         Writes go from this side's first half into the peer's landing half,
         Reads from the peer's first half into this side's, Sends from the
-        first half; a Fetch-and-Add adds 1 to the word at the start of the
-        peer's landing half (its counter), its old value landing at the start
-        of our first half, so that under -b it never lands on our own counter.
+        first half.  An atomic's target is its QP's word in the peer's
+        landing half (:meth:`_targets`) and its old value lands at the start
+        of our first half, so that under -b it never lands on a word the
+        peer advances.  A Fetch-and-Add adds 1; a Compare-and-Swap's
+        operands are set for each post (:func:`_cas_operands`).
         """
         v, E, r = self.v, self.E, self.remote
         verb = self.params.spec.verb
         if verb == "atomic":
-            wr = v.SendWR(opcode=E.IBV_WR_ATOMIC_FETCH_AND_ADD, sg=[v.SGE(self.mr.buf, 8, self.mr.lkey)],
-                          send_flags=E.IBV_SEND_SIGNALED)  # fmt: skip
-            wr.set_wr_atomic(r["rkey"], r["addr"] + self.half, compare_add=1, swap=0)
+            opcode = E.IBV_WR_ATOMIC_CMP_AND_SWP if self.cas else E.IBV_WR_ATOMIC_FETCH_AND_ADD
+            wr = v.SendWR(opcode=opcode, sg=[v.SGE(self.mr.buf, 8, self.mr.lkey)], send_flags=E.IBV_SEND_SIGNALED)
+            wr.set_wr_atomic(r["rkey"], r["addr"] + self.half + 8 * (k if self.cas else 0), compare_add=1, swap=0)
             return wr
         opcode = {"write": E.IBV_WR_RDMA_WRITE, "read": E.IBV_WR_RDMA_READ, "send": E.IBV_WR_SEND}[verb]
         wr = v.SendWR(opcode=opcode, sg=[v.SGE(self.mr.buf, size, self.mr.lkey)],
@@ -384,9 +411,12 @@ class VerbsSide:
         cpu_ms = stats.get("process_cpu_user_ms", 0) + stats.get("process_cpu_system_ms", 0)
         return cpu_ms / 1e3, stats.get("data_busy_us", 0) / 1e6
 
-    def _counter(self) -> int:
-        """The word the peer's Fetch-and-Adds advance: the start of the landing half."""
-        return self._word(self.half)
+    def _targets(self) -> list[int]:
+        """The words the peer's atomics advance, in the landing half: one
+        counter that every QP's Fetch-and-Adds add to, or one word per QP
+        for Compare-and-Swaps, each swapping in one more than the value it
+        expects, which only a QP's own stream (executed in order) can know."""
+        return [self._word(self.half + 8 * k) for k in range(len(self.qps) if self.cas else 1)]
 
     # -- runs -------------------------------------------------------------------------
     def run(self, size: int, iters: int, duration_s: float | None) -> LatencyStats | BandwidthStats | None:
@@ -406,8 +436,10 @@ class VerbsSide:
         both = self.params.bidirectional
         mine: dict[str, Any] = {"op": "verbs-run", "size": size}
         if spec.verb == "atomic" and (both or not self.is_client):
-            mine["counter"] = self._counter()
+            mine["counters"] = self._targets()
         peer = self.ctrl.exchange(mine, STEP_TIMEOUT_S)
+        if spec.verb == "atomic" and (both or self.is_client):
+            self._starts = _peer_words(peer, len(self.qps) if self.cas else 1)
         self._done = None
         self._count = self._received = 0
         warmup = warmup_iters(iters)
@@ -424,23 +456,23 @@ class VerbsSide:
                     self._receive_sends(size)
                     self._count = self._received
             elif spec.is_latency:
-                result = self._round_trip_lat(size, iters, duration_s, warmup, peer)
+                result = self._round_trip_lat(size, iters, duration_s, warmup)
             else:
                 result = self._bw(size, iters, duration_s)
         except (self.v.VerbsError, self.v.UserError) as e:
             raise VerbsRunError(f"{spec.name} at {size} B: {e}") from e
         if both:
-            self._finish_both_ways(size, mine.get("counter"), RUN_TIMEOUT_S + (duration_s or 0.0))
+            self._finish_both_ways(size, mine.get("counters"), RUN_TIMEOUT_S + (duration_s or 0.0))
             return result
         if self.is_client:
             self.ctrl.exchange({"op": "done", "count": self._count}, STEP_TIMEOUT_S)
             return result
         done = self._done or self.ctrl.expect("done", RUN_TIMEOUT_S + (duration_s or 0.0))
-        self._verify(size, _peer_int(done, "count"), mine.get("counter"), self._count)
+        self._verify(size, _peer_int(done, "count"), mine.get("counters"), self._count)
         self.ctrl.send({"op": "done"})
         return None
 
-    def _finish_both_ways(self, size: int, counter: int | None, timeout_s: float) -> None:
+    def _finish_both_ways(self, size: int, counters: list[int] | None, timeout_s: float) -> None:
         """-b: tell the peer how many operations completed here, and check its count against what came.
 
         Each side checks the stream it received, as the server alone does
@@ -454,13 +486,15 @@ class VerbsSide:
             assert done is not None
         else:
             done = self.ctrl.expect("done", timeout_s)
-        self._verify(size, _peer_int(done, "count"), counter, self._received)
+        self._verify(size, _peer_int(done, "count"), counters, self._received)
 
-    def _verify(self, size: int, count: int, counter: int | None, received: int) -> None:
+    def _verify(self, size: int, count: int, counters: list[int] | None, received: int) -> None:
         """Compare the peer's count of completed operations with what arrived here.
 
-        Takes: the peer's count, this side's counter word before the run
-        (atomics, else None), and the Sends this side received.
+        Takes: the peer's count, this side's target words before the run
+        (atomics, else None; :meth:`_targets`), and the Sends this side received.
+        A Compare-and-Swap that found another value than it expected still
+        completes, but leaves its word behind: the words' advance tells.
         """
         name = self.params.test
         me = "the server" if not self.is_client else "the client"
@@ -468,11 +502,12 @@ class VerbsSide:
         if self.params.spec.verb == "send" and received != count:
             raise VerbsRunError(f"{name} at {size} B: {me} received {received} Sends, "
                                 f"{peer} completed {count}")  # fmt: skip
-        if counter is not None:
-            advanced = (self._counter() - counter) & _U64
+        if counters is not None:
+            advanced = sum((now - before) & _U64 for now, before in zip(self._targets(), counters))
             if advanced != count:
-                raise VerbsRunError(f"{name}: {me}'s counter advanced by {advanced}, "
-                                    f"{peer} completed {count} Fetch-and-Adds")  # fmt: skip
+                what, ops = ("words", "Compare-and-Swaps") if self.cas else ("counter", "Fetch-and-Adds")
+                raise VerbsRunError(f"{name}: {me}'s {what} advanced by {advanced}, "
+                                    f"{peer} completed {count} {ops}")  # fmt: skip
 
     def _check(self, wcs: list[Any]) -> None:
         for wc in wcs:
@@ -628,15 +663,15 @@ class VerbsSide:
             yield_cpu()
         return True
 
-    def _round_trip_lat(
-        self, size: int, iters: int, duration_s: float | None, warmup: int, peer: dict[str, Any]
-    ) -> LatencyStats:
+    def _round_trip_lat(self, size: int, iters: int, duration_s: float | None, warmup: int) -> LatencyStats:
         """read_lat / atomic_lat: one WR at a time, the whole round trip measured."""
         qp = self.qps[0]
         wr = self._work_request(size)
         is_atomic = self.params.spec.verb == "atomic"
-        start = _peer_int(peer, "counter") if is_atomic else 0
-        what = "a Fetch-and-Add" if is_atomic else "a Read"
+        start = self._starts[0] if is_atomic else 0
+        op = "Compare-and-Swap" if self.cas else "Fetch-and-Add"
+        what = f"a {op}" if is_atomic else "a Read"
+        cas = self.cas
         clock = time.perf_counter_ns
         poll = self.cq.poll
         idle = self._idle
@@ -646,6 +681,8 @@ class VerbsSide:
         while not _finished(i, warmup, iters, deadline):
             t0 = clock()
             wr.wr_id = i
+            if cas:
+                _cas_operands(wr, start, i)
             qp.post_send(wr)
             spins = 0
             since = time.monotonic()
@@ -660,8 +697,8 @@ class VerbsSide:
             t1 = clock()
             self._check(wcs)
             if is_atomic and self._word(0) != (start + i) & _U64:
-                raise VerbsRunError(f"Fetch-and-Add {i} returned {self._word(0)}, expected {(start + i) & _U64} "
-                                    "(the server's counter before it)")  # fmt: skip
+                raise VerbsRunError(f"{op} {i} returned {self._word(0)}, expected {(start + i) & _U64} "
+                                    "(the server's word before it)")  # fmt: skip
             if i >= warmup:
                 samples.append(t1 - t0)  # perftest reports a Read's (an atomic's) whole round trip
             i += 1
@@ -722,7 +759,8 @@ class VerbsSide:
         # Each QP posts chains of plist WRs (next_wr, perftest's -l), one
         # post_send each; without -l a chain is one WR.
         plist = self.params.post_list
-        chains = [self._chain(size, plist) for _ in self.qps]
+        chains = [self._chain(size, plist, k) for k in range(len(self.qps))]
+        starts = self._starts if self.cas else None
         # Iterations are shared out among the QPs; under -D every QP stops on
         # a signaled WR (a multiple of cq_mod), so no unsignaled tail is left
         # that no completion would ever retire.
@@ -760,6 +798,8 @@ class VerbsSide:
                         n += 1
                         w = chain[j]
                         w.wr_id = n
+                        if starts is not None:
+                            _cas_operands(w, starts[k], n - 1)
                         last = quota is not None and n == quota[k]
                         w.send_flags = (signaled if (n % cq_mod == 0 or last) else 0) | inline
                     if m < plist:
@@ -790,9 +830,9 @@ class VerbsSide:
         self._count = sum(done)
         return bandwidth_stats(size, start, completions, depth)
 
-    def _chain(self, size: int, length: int) -> list[Any]:
-        """Return ``length`` WRs of this test, each linked to the next (``next_wr``): one post list."""
-        chain = [self._work_request(size) for _ in range(length)]
+    def _chain(self, size: int, length: int, k: int) -> list[Any]:
+        """Return ``length`` WRs of this test for QP ``k``, each linked to the next (``next_wr``): one post list."""
+        chain = [self._work_request(size, k) for _ in range(length)]
         for a, b in zip(chain, chain[1:]):
             a.next_wr = b
         return chain

@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-o", "--outs", type=int, metavar="N",
                       help="Reads or atomics in flight per QP (read and atomic tests: the QP's ORD and the "
                       "server's IRD; default: what the device offers, at most the TX depth)")
+    perf.add_argument("-A", "--atomic_type", "--atomic-type", dest="atomic_type", metavar="TYPE",
+                      help="atomic tests: CMP_AND_SWAP or FETCH_AND_ADD (default; as perftest's -A). Each "
+                      "Compare-and-Swap expects the word's last value, so every one must succeed")
     perf.add_argument("-b", "--bidirectional", action="store_true",
                       help="bandwidth tests: both sides stream at once, and each row reports the two directions' "
                       "sum (as perftest's -b; the baseline streams both ways too)")
@@ -231,6 +234,7 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             cq_moderation=args.cq_moderation,
             post_list=args.post_list,
             cpu_util=args.cpu_util,
+            atomic_type=args.atomic_type,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -93,6 +93,9 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["read_bw", "-t", "16", "-Q", "16", "-l", "3"],
          "-Q 16 and -l 3: up to 15 WRs could wait unsignaled with no room for another list; make -t at least 18"),
         (["atomic_lat", "--bidirectional"], "-b applies to bandwidth tests"),
+        (["read_lat", "-A", "CMP_AND_SWAP"], "-A does not apply to read_lat: it chooses the atomic tests' operation"),
+        (["atomic_bw", "--atomic_type", "SWAP"],
+         "unknown atomic type 'SWAP'; choose one of CMP_AND_SWAP, FETCH_AND_ADD"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,6 +242,23 @@ def test_bidirectional_names_itself_as_perftest_and_travels_to_the_server() -> N
     # a client that predates the flag: one direction
     old = {k: v for k, v in p.to_wire().items() if k != "bidirectional"}
     assert PerfParams.from_wire(old).bidirectional is False
+
+
+def test_atomic_type_names_itself_as_perftest_and_travels_to_the_server() -> None:
+    p = _params("atomic_lat", "-A", "CMP_AND_SWAP")
+    assert p.atomic() == "CMP_AND_SWAP" and PerfParams.from_wire(p.to_wire()) == p
+    assert p.title() == "Atomic CMP_AND_SWAP Latency Test"
+    assert _params("atomic_bw", "--atomic-type", "CMP_AND_SWAP", "-b").title() == "Atomic CMP_AND_SWAP Bidirectional BW Test"
+    default = _params("atomic_bw")
+    assert default.atomic() == "FETCH_AND_ADD" and default.title() == "Atomic FETCH_AND_ADD BW Test"
+    assert _params("atomic_bw", "--atomic_type", "FETCH_AND_ADD").atomic() == "FETCH_AND_ADD"
+    for bad in ({**p.to_wire(), "atomic_type": 1}, {**p.to_wire(), "atomic_type": "cas"},
+                {**p.to_wire(), "test": "read_lat"}):  # fmt: skip
+        with pytest.raises(PerfUsageError):
+            PerfParams.from_wire(bad)
+    # a client that predates the flag: Fetch-and-Add
+    old = {k: v for k, v in p.to_wire().items() if k != "atomic_type"}
+    assert PerfParams.from_wire(old).atomic() == "FETCH_AND_ADD"
 
 
 def test_report_gbits_is_parsed_in_both_spellings() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from udpverbs.bench.report import (BW_COLUMNS, BW_COLUMNS_GBITS, LAT_COLUMNS, DaemonLoad, Row, columns, format_row,
                                    row_from_json, row_json)
 from udpverbs.bench.stats import bandwidth_stats, latency_stats
@@ -76,6 +78,16 @@ def test_bidirectional_row_says_so_and_survives_the_trip() -> None:
     assert "bidirectional" not in row_json(Row("write_bw", 65536, stats))
     baseline_only = Row("write_bw", 65536, None, stats, bidirectional=True)
     assert row_from_json(row_json(baseline_only)) == baseline_only
+
+
+def test_atomic_rows_name_their_operation_and_it_survives_the_trip() -> None:
+    stats = latency_stats([200_000, 210_000])
+    row = Row("atomic_lat", 8, stats, stats, atomic_type="CMP_AND_SWAP")
+    obj = json.loads(json.dumps(row_json(row)))
+    assert obj["atomic_type"] == "CMP_AND_SWAP" and row_from_json(obj) == row
+    assert "atomic_type" not in row_json(_lat_row(True))
+    with pytest.raises(TypeError):
+        row_from_json({**obj, "atomic_type": 7})
 
 
 def test_report_gbits_prints_gigabits_and_keeps_the_ratio() -> None:

@@ -174,8 +174,8 @@ def _tamper(monkeypatch: pytest.MonkeyPatch, change) -> None:  # type: ignore[no
     """Make this process's (the client's) work requests wrong in the way ``change`` says."""
     real = verbs_perf.VerbsSide._work_request
 
-    def wrong(self, size):  # type: ignore[no-untyped-def]
-        wr = real(self, size)
+    def wrong(self, size, k=0):  # type: ignore[no-untyped-def]
+        wr = real(self, size, k)
         change(wr)
         return wr
 
@@ -224,6 +224,60 @@ def test_wrong_atomics_fail_loudly(
     rc, rows, err = _run(capfd, test, "-n", "20", *depth, "--local", "--json")
     assert rc == 1 and rows == []
     assert fragment in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["atomic_lat", "-n", "20"],
+        # each QP swaps its own word, 8 in flight, more than the ORD (4): the send queue holds the rest
+        ["atomic_bw", "-n", "41", "-q", "3", "-t", "8", "-o", "4"],
+        ["atomic_bw", "-n", "60", "-q", "2", "-t", "8", "-b"],
+    ],
+    ids=["atomic_lat", "atomic_bw_3qps", "atomic_bw_both_ways"],
+)
+def test_compare_and_swap_runs_and_every_swap_succeeds(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    # Every Compare-and-Swap expects its word's last value (atomic_lat checks
+    # each one's old value, the server that its words moved once for each);
+    # the completions say they were Compare-and-Swaps.
+    from udpverbs.verbs import enums as E
+
+    opcodes: set[int] = set()
+    real = verbs_perf.VerbsSide._check
+
+    def check(self, wcs):  # type: ignore[no-untyped-def]
+        opcodes.update(wc.opcode for wc in wcs)
+        real(self, wcs)
+
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_check", check)
+    rc, rows, err = _run(capsys, *argv, "-A", "CMP_AND_SWAP", "--local", "--json")
+    assert rc == 0, err
+    (row,) = rows
+    _check_row(row, argv, LAT if argv[0] == "atomic_lat" else BW, int(argv[2]))
+    assert row["atomic_type"] == "CMP_AND_SWAP"
+    assert opcodes == {E.IBV_WC_COMP_SWAP}
+
+
+def test_compare_and_swaps_that_fail_are_caught(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    # Both QPs swap the same word: of each pair of swaps that expect the same
+    # value only the first succeeds, and the word falls behind the count.
+    real = verbs_perf.VerbsSide._work_request
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_work_request", lambda self, size, k=0: real(self, size, 0))
+    rc, rows, err = _run(capfd, "atomic_bw", "-n", "40", "-q", "2", "-t", "4", "-A", "CMP_AND_SWAP", "--local", "--json")
+    assert rc == 1 and rows == []
+    assert "the server's words advanced by" in err and "the client completed 40 Compare-and-Swaps" in err
+
+
+def test_a_compare_and_swap_that_swaps_the_wrong_value_is_caught(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    def two_ahead(wr, start, i):  # type: ignore[no-untyped-def]
+        wr.compare_add, wr.swap = start + i, start + i + 2
+
+    monkeypatch.setattr(verbs_perf, "_cas_operands", two_ahead)
+    rc, rows, err = _run(capfd, "atomic_lat", "-n", "20", "-A", "CMP_AND_SWAP", "--local", "--json")
+    assert rc == 1 and rows == []
+    assert "Compare-and-Swap 1 returned 2, expected 1" in err
 
 
 def test_a_verbs_library_without_receives_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
