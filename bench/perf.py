@@ -43,7 +43,8 @@ from typing import Any, Callable, Sequence, TextIO
 
 from . import rawudp
 from .control import ControlChannel, ControlError
-from .report import (RESULT_LINE, DaemonLoad, Row, Stats, banner, columns, format_row, row_from_json, row_json,
+from .report import (RESULT_LINE, DaemonLoad, Row, Stats, banner, columns, figure_text, format_row, row_from_json,
+                     row_json,
                      stats_from_json, stats_json)
 from .stats import BandwidthStats, both_directions, bandwidth_stats, latency_stats
 
@@ -399,6 +400,9 @@ class OutputOptions:
     #: a latency client's every sample after its row: "sorted" (perftest's
     #: -H), "unsorted" (-U, in the order measured), or None
     samples: str | None = None
+    #: perftest's --output: each row is one figure (report.OUTPUT_UNITS) with
+    #: no banner or table around it; None: the table
+    only: str | None = None
 
 
 def warmup_iters(iters: int) -> int:
@@ -461,8 +465,11 @@ class Session:
                 obj["samples_us"] = samples
             self._print(json.dumps(obj))
             return
-        for line in format_row(row, gbits=self.output.gbits):
-            self._print(line)
+        if self.output.only is not None:
+            self._print(figure_text(row, self.output.only, gbits=self.output.gbits))
+        else:
+            for line in format_row(row, gbits=self.output.gbits):
+                self._print(line)
         if samples is not None:
             # perftest's -H/-U list: a header, then "index, value" per sample
             self._print("#, usec")
@@ -477,8 +484,13 @@ class Session:
         us = [ns / 1000 for ns in self._ours.samples_ns]
         return sorted(us) if order == "sorted" else us
 
+    @property
+    def _table(self) -> bool:
+        """True when the rows print as perftest's table (not --json, not --output)."""
+        return not self.json_out and self.output.only is None
+
     def _banner(self) -> None:
-        if self.json_out:
+        if not self._table:
             return
         p = self.params
         # perftest prints the inline size, or for Reads and atomics (which
@@ -578,7 +590,7 @@ class Session:
         if self.progress is not None:
             self.progress(len(sizes), len(sizes), 0)
         self.ctrl.exchange({"op": "bye"}, STEP_TIMEOUT_S)
-        if not self.json_out:
+        if self._table:
             self._print(RESULT_LINE)
         return self.rows
 

@@ -213,6 +213,28 @@ def format_row(row: Row, *, gbits: bool = False) -> list[str]:
     ]
 
 
+#: perftest's --output units: the one figure each row prints, and whether it is a latency test's
+OUTPUT_UNITS = {"bandwidth": False, "message_rate": False, "latency": True, "latency_typical": True}
+
+
+def figure_text(row: Row, unit: str, *, gbits: bool = False) -> str:
+    """Return the one figure of ``row`` that perftest's ``--output=unit`` prints.
+
+    ``bandwidth``: the average, in MB/s (Gb/s with ``gbits``);
+    ``message_rate``: in Mpps; ``latency``: the average in µs, as
+    perftest's help says it is; ``latency_typical``: the median.  The
+    figure is ours, or the baseline's in a baseline-only run.
+    """
+    s = row.main
+    if isinstance(s, LatencyStats):
+        value = s.t_typical_us if unit == "latency_typical" else s.t_avg_us
+    elif unit == "message_rate":
+        value = s.msg_rate_Mpps
+    else:
+        value = s.bw_avg_MBps * (GBITS_PER_MBPS if gbits else 1.0)
+    return f"{value:f}"
+
+
 def banner(title: str, settings: list[tuple[str, str]], local: str | None, remote: str | None) -> list[str]:
     """Return perftest's banner lines: title, settings, local/remote addresses.
 

@@ -32,7 +32,7 @@ from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, 
 from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
 from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
 from udpverbs.bench.rawudp import BaselineError
-from udpverbs.bench.report import Row
+from udpverbs.bench.report import OUTPUT_UNITS, Row
 from udpverbs.bench.verbs_perf import VerbsRunError
 
 CONNECT_TIMEOUT_S = 10.0
@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "sum (as perftest's -b; the baseline streams both ways too)")
     perf.add_argument("--report_gbits", "--report-gbits", dest="report_gbits", action="store_true",
                       help="print bandwidth in Gb/s (10^9 bits) instead of MB/s (tables only: --json keeps MB/s)")
+    perf.add_argument("--output", metavar="UNITS", choices=sorted(OUTPUT_UNITS),
+                      help="print one figure per size and nothing else, as perftest's --output: bandwidth "
+                      "(average), message_rate, latency (average) or latency_typical")
     perf.add_argument("--use_srq", "--use-srq", dest="use_srq", action="store_true",
                       help="Send tests: the receiving QPs take their receives from one shared receive queue "
                       "(as perftest's --use_srq)")
@@ -241,18 +244,25 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
 
 
 def output_from(args: argparse.Namespace, params: PerfParams) -> OutputOptions:
-    """How this side prints (``--report_gbits``, ``-H``/``-U``).
+    """How this side prints (``--report_gbits``, ``-H``/``-U``, ``--output``).
 
     Raises: UsageError for -H/-U on a bandwidth test, or on a server (the
-    client measures the samples).
+    client measures the samples); for an --output of the other kind of
+    test, or beside --json.
     """
+    if args.output is not None:
+        if args.json:
+            raise UsageError("--output and --json are exclusive: each chooses what a row prints")
+        if OUTPUT_UNITS[args.output] != params.spec.is_latency:
+            kind = "latency" if params.spec.is_latency else "bandwidth"
+            raise UsageError(f"--output={args.output} does not apply to {params.test}, a {kind} test")
     if args.samples is not None:
         flag = "-H" if args.samples == "sorted" else "-U"
         if not params.spec.is_latency:
             raise UsageError(f"{flag} applies to latency tests: a bandwidth test keeps no samples")
         if not (args.peer or args.local):
             raise UsageError(f"{flag} prints the client's samples: give it to the client (or with --local)")
-    return OutputOptions(gbits=args.report_gbits, samples=args.samples)
+    return OutputOptions(gbits=args.report_gbits, samples=args.samples, only=args.output)
 
 
 def _progress(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -273,7 +283,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> list[Row]
         if args.ready_fd is not None:
             os.write(args.ready_fd, f"{port}\n".encode())
             os.close(args.ready_fd)
-        if not args.json:
+        if not args.json and args.output is None:
             print(f"{'*' * 36}\n* Waiting for client to connect... *\n{'*' * 36}", file=out, flush=True)
         ctrl = accept(listener, None)
     finally:
@@ -281,7 +291,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> list[Row]
     with ctrl:
         params = welcome(ctrl, args.test)
         session = Session(params, ctrl, is_client=False, out=out, json_out=args.json, device=args.device,
-                          output=OutputOptions(gbits=args.report_gbits))
+                          output=OutputOptions(gbits=args.report_gbits, only=args.output))
         return session.run()
 
 

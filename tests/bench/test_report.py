@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from udpverbs.bench.report import (BW_COLUMNS, BW_COLUMNS_GBITS, LAT_COLUMNS, DaemonLoad, Row, columns, format_row,
-                                   row_from_json, row_json)
+from udpverbs.bench.report import (BW_COLUMNS, BW_COLUMNS_GBITS, LAT_COLUMNS, DaemonLoad, Row, columns, figure_text,
+                                   format_row, row_from_json, row_json)
 from udpverbs.bench.stats import bandwidth_stats, latency_stats
 
 LAT_KEYS = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p999_us"}
@@ -88,6 +88,20 @@ def test_atomic_rows_name_their_operation_and_it_survives_the_trip() -> None:
     assert "atomic_type" not in row_json(_lat_row(True))
     with pytest.raises(TypeError):
         row_from_json({**obj, "atomic_type": 7})
+
+
+def test_output_units_print_one_figure_of_the_row() -> None:
+    # perftest's --output: the average (latency) or the median (latency_typical), in µs
+    lat = Row("write_lat", 2, latency_stats([1_000_000, 3_000_000, 2_000_000]))
+    assert figure_text(lat, "latency") == "2000.000000" and figure_text(lat, "latency_typical") == "2000.000000"
+    skewed = Row("write_lat", 2, latency_stats([1_000_000, 1_000_000, 4_000_000]))
+    assert figure_text(skewed, "latency") == "2000.000000" and figure_text(skewed, "latency_typical") == "1000.000000"
+    # 65536 B every ms: 65.536 MB/s, 0.524288 Gb/s, 0.001 Mpps; a baseline-only row prints the baseline's
+    bw = bandwidth_stats(65536, 0, [10**6 * k for k in range(1, 5)], 1)
+    for row in (Row("write_bw", 65536, bw, bandwidth_stats(65536, 0, [10**9], 1)), Row("write_bw", 65536, None, bw)):
+        assert figure_text(row, "bandwidth") == "65.536000"
+        assert figure_text(row, "bandwidth", gbits=True) == "0.524288"
+        assert figure_text(row, "message_rate") == "0.001000"
 
 
 def test_report_gbits_prints_gigabits_and_keeps_the_ratio() -> None:

@@ -280,6 +280,24 @@ def test_a_compare_and_swap_that_swaps_the_wrong_value_is_caught(
     assert "Compare-and-Swap 1 returned 2, expected 1" in err
 
 
+@pytest.mark.parametrize(
+    "argv, lines",
+    [
+        (["write_lat", "-n", "20", "--output=latency_typical"], 1),
+        (["write_bw", "-a", "--max-size", "8", "-n", "20", "-t", "4", "--output", "bandwidth", "--report_gbits"], 3),
+        (["atomic_bw", "-n", "20", "-t", "4", "--output=message_rate", "--baseline", "raw-udp"], 1),
+    ],
+    ids=["latency", "bandwidth_sweep", "message_rate"],
+)
+def test_output_prints_one_figure_per_size_and_nothing_else(
+        capsys: pytest.CaptureFixture[str], argv: list[str], lines: int) -> None:
+    rc = cli.main(["perf", *argv, "--local"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    figures = out.splitlines()
+    assert len(figures) == lines and all(float(f) > 0 for f in figures), out
+
+
 def test_a_verbs_library_without_receives_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from udpverbs import verbs
 
