@@ -1,0 +1,116 @@
+"""In-process latency passes: what each daemon pass of a 2-byte Write hop and of a 2-byte Read costs.
+
+Not a test: the measurement behind the README's account of ``read_lat``
+against ``write_lat``.  Two Devices in one process, both loops turned by
+hand, one operation at a time: each phase turns one device's loop until
+the phase is done (a datagram left, the data landed, the Read completed)
+and times it, with no scheduler, applications or other processes in the
+way.  A Write hop is two passes (the sender's, the receiver's); a Read's
+round trip is three (the request's, the responder's, the requester's
+that places the response and completes the Read).
+
+    python -m tests.daemon.inprocess_lat [--iters 2000] [--reads-only] [--profile PHASE]
+
+``--profile PHASE`` (one of the phase names printed) runs cProfile over
+that phase alone and prints its top functions by internal time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from typing import Callable
+
+import trio
+
+from udpverbs.wire.shm import WrOpcode
+
+from .test_batching import Host, establish
+
+PHASES = ("write_send", "write_receive", "read_request", "read_respond", "read_complete")
+#: phases with more passes than this have stopped making progress
+PASS_LIMIT = 20_000
+#: rounds before measuring (caches, first hints, the link's RTT estimate)
+WARMUP = 100
+
+
+def _turn(host: Host, done: Callable[[], bool]) -> tuple[int, int]:
+    """Turn ``host``'s loop until ``done()``; return (nanoseconds, passes)."""
+    t0 = time.perf_counter_ns()
+    passes = 0
+    while not done():
+        host.dev.poll_once()
+        passes += 1
+        if passes > PASS_LIMIT:
+            raise SystemExit(f"no progress after {PASS_LIMIT} passes")
+    return time.perf_counter_ns() - t0, passes
+
+
+async def main(iters: int, reads_only: bool, profile: str | None) -> None:
+    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
+    prof = cProfile.Profile() if profile else None
+    times: dict[str, list[int]] = {p: [] for p in PHASES}
+    passes: dict[str, list[int]] = {p: [] for p in PHASES}
+
+    def phase(name: str, host: Host, done: Callable[[], bool]) -> None:
+        if prof is not None and name == profile:
+            prof.enable()
+        t, n = _turn(host, done)
+        if prof is not None and name == profile:
+            prof.disable()
+        times[name].append(t)
+        passes[name].append(n)
+
+    def settle() -> None:
+        # ACKs and completions of the round just measured, outside any phase
+        for _ in range(3):
+            a.dev.poll_once()
+            b.dev.poll_once()
+
+    try:
+        a.connect(b)
+        b.connect(a)
+        await establish(a, b)
+        la, lb = a.qp.link.link, b.qp.link.link
+        for i in range(iters + WARMUP):
+            if not reads_only:
+                marker = i % 255 + 1
+                a.mr.view[1] = marker
+                a.post_write(i, 0, 2, b, 64)
+                sent = la.stats.data_sent
+                phase("write_send", a, lambda: la.stats.data_sent > sent)
+                phase("write_receive", b, lambda: b.mr.view[65] == marker)
+                settle()
+                if a.completions() != [(i, 0)]:
+                    raise SystemExit(f"Write {i} did not complete alone")
+            a.post_write(iters + WARMUP + i, 128, 2, b, 256, opcode=WrOpcode.IBV_WR_RDMA_READ)
+            sent, answered = la.stats.data_sent, lb.stats.data_sent
+            phase("read_request", a, lambda: la.stats.data_sent > sent)
+            phase("read_respond", b, lambda: lb.stats.data_sent > answered)
+            seen: list[tuple[int, int]] = []
+            phase("read_complete", a, lambda: bool(seen.extend(a.completions()) or seen))
+            if seen != [(iters + WARMUP + i, 0)]:
+                raise SystemExit(f"Read {i} completed as {seen}")
+            settle()
+        for name in PHASES:
+            t = times[name][WARMUP:]
+            if t:
+                print(f"{name:14s} median {statistics.median(t) / 1e3:6.1f} us, p10 {sorted(t)[len(t) // 10] / 1e3:6.1f} us, "
+                      f"passes {statistics.median(passes[name][WARMUP:]):g}")
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    finally:
+        a.close()
+        b.close()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--reads-only", action="store_true", help="Reads alone, as read_lat runs them (no Write hint set)")
+    p.add_argument("--profile", choices=PHASES, help="profile this phase (cProfile)")
+    args = p.parse_args()
+    trio.run(main, args.iters, args.reads_only, args.profile)
