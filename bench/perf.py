@@ -44,8 +44,7 @@ from typing import Any, Callable, Sequence, TextIO
 from . import rawudp
 from .control import ControlChannel, ControlError
 from .report import (RESULT_LINE, DaemonLoad, Row, Stats, banner, columns, figure_text, format_row, row_from_json,
-                     row_json,
-                     stats_from_json, stats_json)
+                     row_json, stats_from_json, stats_json)
 from .stats import BandwidthStats, both_directions, bandwidth_stats, latency_stats
 
 #: Version of the control conversation; both sides must speak the same.
@@ -284,7 +283,8 @@ class PerfParams:
             if spec.verb != "atomic":
                 raise PerfUsageError(f"-A does not apply to {self.test}: it chooses the atomic tests' operation")
             if self.atomic_type not in ATOMIC_TYPES:
-                raise PerfUsageError(f"unknown atomic type {self.atomic_type!r}; choose one of {', '.join(ATOMIC_TYPES)}")
+                choices = ", ".join(ATOMIC_TYPES)
+                raise PerfUsageError(f"unknown atomic type {self.atomic_type!r}; choose one of {choices}")
         return self
 
     def atomic(self) -> str:
