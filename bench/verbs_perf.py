@@ -185,20 +185,25 @@ def _cas_operands(wr: Any, start: int, i: int) -> None:
     wr.swap = (start + i + 1) & _U64
 
 
+def _is_uint(v: Any) -> bool:
+    """True for a count or a memory word as the peer's JSON must carry it: an int, not a bool, not negative."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _peer_words(msg: dict[str, Any], n: int) -> list[int]:
     """The peer's ``n`` target words before a run (``counters``), checked.
 
-    Raises: ControlError if they are missing or not ``n`` integers.
+    Raises: ControlError if they are missing or not ``n`` words (:func:`_is_uint`).
     """
     words = msg.get("counters")
-    if not isinstance(words, list) or len(words) != n or not all(type(w) is int for w in words):
+    if not isinstance(words, list) or len(words) != n or not all(map(_is_uint, words)):
         raise ControlError(f"the peer sent {words!r} as its {n} atomic target word(s)")
     return words
 
 
 def _peer_int(msg: dict[str, Any], key: str) -> int:
     v = msg.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    if not _is_uint(v):
         raise ControlError(f"malformed {msg.get('op')!r} from the peer: {key}={v!r}")
     return v
 
