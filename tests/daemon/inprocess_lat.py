@@ -91,7 +91,12 @@ async def main(iters: int, reads_only: bool, profile: str | None) -> None:
             phase("read_request", a, lambda: la.stats.data_sent > sent)
             phase("read_respond", b, lambda: lb.stats.data_sent > answered)
             seen: list[tuple[int, int]] = []
-            phase("read_complete", a, lambda: bool(seen.extend(a.completions()) or seen))
+
+            def completed() -> bool:
+                seen.extend(a.completions())
+                return bool(seen)
+
+            phase("read_complete", a, completed)
             if seen != [(iters + WARMUP + i, 0)]:
                 raise SystemExit(f"Read {i} completed as {seen}")
             settle()
