@@ -13,7 +13,9 @@ each step bracketed by :meth:`ControlChannel.exchange` (the barrier):
 
 1. set-up: each side opens its udpverbs resources (QP, MR, CQ) and the two
    exchange QPN, rkey, buffer address and daemon address, as perftest does
-   out of band; with a baseline, each side opens a UDP socket on the address
+   out of band (under ``-R`` the QPs are then connected through the
+   daemons' connection managers, the server listening on its own control
+   port's number as the service port); with a baseline, each side opens a UDP socket on the address
    the control connection uses and the two exchange ports;
 2. for every size: the udpverbs run (:mod:`udpverbs.bench.verbs_perf`; it
    ends with the server checking the client's count of completed operations
@@ -186,6 +188,9 @@ class PerfParams:
     #: perftest's -A: the atomic tests' operation, one of ATOMIC_TYPES (None:
     #: FETCH_AND_ADD, perftest's default)
     atomic_type: str | None = None
+    #: perftest's -R: the QPs are connected through the daemons' connection
+    #: managers (udpverbs.verbs.cm, as rdma_cm) instead of by QPN exchange
+    rdma_cm: bool = False
 
     @property
     def spec(self) -> TestSpec:
@@ -275,6 +280,8 @@ class PerfParams:
             if waiting + lst > self.depth():
                 raise PerfUsageError(f"-Q {cq} and -l {lst}: up to {waiting} WRs could wait unsignaled with no room "
                                      f"for another list; make -t at least {waiting + lst} or -Q a multiple of -l")
+        if self.rdma_cm and self.baseline_only:
+            raise PerfUsageError("-R connects QPs through the connection manager: --baseline-only makes none")
         if self.cpu_util and self.baseline_only:
             raise PerfUsageError("--cpu_util measures the daemons: --baseline-only starts none")
         if self.bidirectional and spec.is_latency:
@@ -386,6 +393,7 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "use_events": (bool,), "max_size": (int,), "max_volume": (int,), "rnr_delay_us": (int,),
     "inline_size": (int,), "outs": (int,), "bidirectional": (bool,), "use_srq": (bool,), "rx_depth": (int,),
     "cq_moderation": (int,), "post_list": (int,), "cpu_util": (bool,), "atomic_type": (str,),
+    "rdma_cm": (bool,),
 }  # fmt: skip
 _OPTIONAL = {"size", "iters", "duration_s", "tx_depth", "baseline", "max_volume", "inline_size", "outs", "rx_depth",
              "cq_moderation", "atomic_type"}
@@ -510,7 +518,8 @@ class Session:
             *verb_line,
             *([("RX depth", str(self._ours.rx_total if self._ours else p.rx_total()))] if p.test == "send_bw" else []),
             *([("Post list", str(p.post_list))] if p.post_list > 1 else []),
-            ("Data ex. method", "Ethernet (TCP control connection)"),
+            ("Data ex. method", "rdma_cm (parameters over the TCP control connection)" if p.rdma_cm
+             else "Ethernet (TCP control connection)"),
             ("CQ Moderation", f"{p.cq_mod()}\t\tPolling method : {'events' if p.use_events else 'busy poll'}"),
         ]
         if p.baseline:

@@ -5,7 +5,10 @@ Theory of operation
 Each side opens one set of resources on its daemon (Context, PD, one MR,
 one CQ, ``-q`` RC QPs), and the two exchange QPNs, rkey, buffer address and
 daemon address (GID + UDP port) over the control connection, as perftest
-does out of band, then move their QPs to RTS.  The MR has two halves: the
+does out of band, then move their QPs to RTS.  Under ``-R`` the connection
+managers move them instead (rdma_cm's way, and iWARP's): the server listens,
+and the client connects its QP ``k`` with ``k`` as the private data, so the
+server accepts it on its own QP ``k``.  The MR has two halves: the
 first is the source of what this side sends, the second is where the peer's
 RDMA Writes and Sends land, so a side never mistakes its own marker for the
 peer's (atomics: the words the peer's atomics advance start the second
@@ -69,6 +72,7 @@ from __future__ import annotations
 
 import collections
 import os
+import struct
 import sys
 import time
 from typing import Any, Sequence
@@ -78,7 +82,7 @@ from .stats import BandwidthStats, LatencyStats, bandwidth_stats, latency_stats
 
 #: What the benchmarks need from udpverbs.verbs.
 REQUIRED = ("Context", "PD", "MR", "CQ", "QP", "QPInitAttr", "QPCap", "QPAttr", "SendWR", "RecvWR", "SGE", "AHAttr",
-            "GlobalRoute", "SRQ", "SrqInitAttr", "SrqAttr")
+            "GlobalRoute", "SRQ", "SrqInitAttr", "SrqAttr", "CMListener", "connect")
 #: A run that makes no progress for this long has failed.
 STALL_S = 30.0
 #: How often (in spins) a waiting side looks at the clock and the control connection.
@@ -90,6 +94,8 @@ EVENT_WAIT_S = 0.05
 DRAIN_S = 2.0
 #: rnr_retry 7: retry for ever on receiver-not-ready (IB's "infinite").
 INFINITE_RNR_RETRY = 7
+#: -R: the private data of a connection request, the index of the client's QP
+_CM_INDEX = struct.Struct("!H")
 _U64 = (1 << 64) - 1
 
 
@@ -263,7 +269,10 @@ class VerbsSide:
                 self.srq = verbs.SRQ(self.pd, verbs.SrqInitAttr(verbs.SrqAttr(max_wr=self.srq_size, max_sge=1)))
             init = verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, srq=self.srq, cap=cap,
                                     sq_sig_all=1 if lat else 0)  # fmt: skip
-            self.qps = [verbs.QP(self.pd, init) for _ in range(params.qps)]
+            # -R: the connection manager keeps the access flags of a QP in INIT
+            # (a QP it moves out of RESET gets rdma_cm's, without atomics)
+            at_init = verbs.QPAttr(qp_access_flags=self.access) if params.rdma_cm else None
+            self.qps = [verbs.QP(self.pd, init, at_init) for _ in range(params.qps)]
             self._qp_index = {qp.qp_num: k for k, qp in enumerate(self.qps)}
             self.gid = self.ctx.query_gid()
             self.udp_port = self.ctx.query_port().lid
@@ -304,49 +313,121 @@ class VerbsSide:
     def connect(self) -> None:
         """Exchange QPN/rkey/address/daemon with the peer, move every QP to RTS, post the receives.
 
-        Raises: ControlError if the peer fails; VerbsRunError if a transition is refused.
+        Under -R the QPs reach RTS through the connection managers instead
+        (:meth:`_connect_with_cm`); the exchange still carries the rkey and
+        address, which rdma_cm leaves to the application.
+        Raises: ControlError if the peer fails; VerbsRunError if a transition
+        or a connection is refused.
         """
-        mine = {
-            "op": "verbs",
-            "qpns": [qp.qp_num for qp in self.qps],
-            "rkey": self.mr.rkey,
-            "addr": self.mr.buf,
-            "gid": self.gid.gid,
-            "port": self.udp_port,
-            "rd_atom": self.rd_atom,
-        }
         from .perf import STEP_TIMEOUT_S
 
-        peer = self.ctrl.exchange(mine, STEP_TIMEOUT_S)
-        try:
-            qpns = [int(q) for q in peer["qpns"]]
-            self.remote = {"rkey": int(peer["rkey"]), "addr": int(peer["addr"]), "gid": str(peer["gid"]),
-                           "port": int(peer["port"]), "qpns": qpns, "rd_atom": int(peer["rd_atom"])}  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise VerbsRunError(f"malformed QP attributes from the peer: {e}") from e
-        if len(qpns) != len(self.qps):
-            raise VerbsRunError(f"peer has {len(qpns)} QPs, we have {len(self.qps)}")
         v = self.v
+        listener = None
+        cm_port = 0  # the service port this side listens on (-R's server)
+        if self.params.rdma_cm and not self.is_client:
+            cm_port = self.ctrl.sock.getsockname()[1]
+            # listening before the exchange: the client connects as soon as it has our address
+            try:
+                listener = v.CMListener(self.ctx, cm_port)
+            except (v.VerbsError, v.UserError) as e:
+                raise VerbsRunError(f"-R: cannot listen on service port {cm_port}: {e}") from e
         try:
-            if self.srq is not None and self.rx_depth:
-                self._post_recvs(self.qps[0], self.srq_size)
-            for qp, dest in zip(self.qps, qpns):
-                attr = v.QPAttr(
-                    qp_access_flags=self.access,
-                    dest_qp_num=dest,
-                    ah_attr=v.AHAttr(dlid=self.remote["port"], gr=v.GlobalRoute(dgid=self.remote["gid"])),
-                    max_rd_atomic=self.rd_atom,
-                    max_dest_rd_atomic=min(self.rd_atom, self.remote["rd_atom"]) or 1,
-                    rnr_retry=INFINITE_RNR_RETRY,
-                )
-                qp.to_rts(attr)
+            mine = {
+                "op": "verbs",
+                "qpns": [qp.qp_num for qp in self.qps],
+                "rkey": self.mr.rkey,
+                "addr": self.mr.buf,
+                "gid": self.gid.gid,
+                "port": self.udp_port,
+                "rd_atom": self.rd_atom,
+                "cm_port": cm_port,
+            }
+            peer = self.ctrl.exchange(mine, STEP_TIMEOUT_S)
+            try:
+                qpns = [int(q) for q in peer["qpns"]]
+                self.remote = {"rkey": int(peer["rkey"]), "addr": int(peer["addr"]), "gid": str(peer["gid"]),
+                               "port": int(peer["port"]), "qpns": qpns, "rd_atom": int(peer["rd_atom"]),
+                               "cm_port": int(peer["cm_port"])}  # fmt: skip
+            except (KeyError, TypeError, ValueError) as e:
+                raise VerbsRunError(f"malformed QP attributes from the peer: {e}") from e
+            if len(qpns) != len(self.qps):
+                raise VerbsRunError(f"peer has {len(qpns)} QPs, we have {len(self.qps)}")
+            try:
+                if self.srq is not None and self.rx_depth:
+                    self._post_recvs(self.qps[0], self.srq_size)
+                if not self.params.rdma_cm:
+                    self._connect_by_hand()
+                elif listener is not None:
+                    self._accept_with_cm(listener, STEP_TIMEOUT_S)
+                else:
+                    self._connect_with_cm(STEP_TIMEOUT_S)
                 if self.srq is None:
-                    self._post_recvs(qp, self.rx_depth)
-        except (v.VerbsError, v.UserError) as e:
-            raise VerbsRunError(f"connecting the QPs failed: {e}") from e
+                    for qp in self.qps:
+                        self._post_recvs(qp, self.rx_depth)
+            except (v.VerbsError, v.UserError) as e:
+                raise VerbsRunError(f"connecting the QPs failed: {e}") from e
+        finally:
+            if listener is not None:
+                listener.close()
         # Both QPs must be in RTS (and their receives posted) before either
         # side sends (perftest's ctx_hand_shake).
         self.ctrl.exchange({"op": "rts"}, STEP_TIMEOUT_S)
+
+    def _connect_by_hand(self) -> None:
+        """Move every QP to RTS towards the peer's QP of the same index (perftest without -R)."""
+        v = self.v
+        for qp, dest in zip(self.qps, self.remote["qpns"]):
+            attr = v.QPAttr(
+                qp_access_flags=self.access,
+                dest_qp_num=dest,
+                ah_attr=v.AHAttr(dlid=self.remote["port"], gr=v.GlobalRoute(dgid=self.remote["gid"])),
+                max_rd_atomic=self.rd_atom,
+                max_dest_rd_atomic=min(self.rd_atom, self.remote["rd_atom"]) or 1,
+                rnr_retry=INFINITE_RNR_RETRY,
+            )
+            qp.to_rts(attr)
+
+    def _connect_with_cm(self, timeout_s: float) -> None:
+        """-R, client: connect QP ``k`` to the server's listener, naming ``k`` in the private data.
+
+        The ORD and IRD asked for are this side's; the connection managers
+        settle each at most the other side's IRD (RFC 6581), and rnr_retry
+        is rdma_cm's infinite one, as perftest's -R asks for.
+        Raises: VerbsRunError if the server's QP is not the one it announced.
+        """
+        v, r = self.v, self.remote
+        host = v.GID(r["gid"]).ip
+        for k, qp in enumerate(self.qps):
+            conn = v.connect(qp, host, r["cm_port"], udp_port=r["port"], private_data=_CM_INDEX.pack(k),
+                             ord=self.rd_atom, ird=self.rd_atom, timeout=timeout_s)
+            if conn.remote_qpn != r["qpns"][k]:
+                raise VerbsRunError(f"-R: QP {k} was accepted by QPN {conn.remote_qpn:#x}, "
+                                    f"the server announced {r['qpns'][k]:#x}")
+
+    def _accept_with_cm(self, listener: Any, timeout_s: float) -> None:
+        """-R, server: accept each of the client's QPs on ours of the same index.
+
+        A request is the client's if it names an index we have not connected
+        and comes from the QP the client announced for it; any other is
+        rejected, and the wait goes on until the deadline.
+        Raises: VerbsRunError once ``timeout_s`` has passed without all of them.
+        """
+        deadline = time.monotonic() + timeout_s
+        waiting = dict(enumerate(self.remote["qpns"]))  # our QP index -> the client's QPN
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise VerbsRunError(f"-R: {len(waiting)} of the client's {len(self.qps)} QPs did not connect")
+            try:
+                req = listener.get_request(timeout=left)
+            except self.v.VerbsError as e:
+                raise VerbsRunError(f"-R: waiting for the client's connections: {e}") from e
+            k = _CM_INDEX.unpack(req.private_data)[0] if len(req.private_data) == _CM_INDEX.size else -1
+            if waiting.get(k) != req.remote_qpn:
+                listener.reject(req)
+                continue
+            listener.accept(req, self.qps[k], ord=self.rd_atom, ird=self.rd_atom)
+            del waiting[k]
 
     def addresses(self) -> tuple[str, str]:
         """Return perftest's "local address" / "remote address" texts."""

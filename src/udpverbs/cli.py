@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bandwidth tests: signal one WR in N (as perftest's -Q; default 16, or the post list)")
     perf.add_argument("-l", "--post_list", "--post-list", dest="post_list", type=int, default=1, metavar="N",
                       help="bandwidth tests: post WRs in chains of N, one post_send each (as perftest's -l)")
+    perf.add_argument("-R", "--rdma_cm", "--rdma-cm", dest="rdma_cm", action="store_true",
+                      help="connect the QPs through the daemons' connection managers, as rdma_cm does (perftest's "
+                      "-R; iWARP's way): the server listens on service port -p")
     perf.add_argument("--cpu_util", "--cpu-util", dest="cpu_util", action="store_true",
                       help="report each daemon's CPU time over every run, as a share of one CPU (perftest's "
                       "--cpu_util reports the host's)")
@@ -238,6 +241,7 @@ def params_from_args(args: argparse.Namespace) -> PerfParams:
             post_list=args.post_list,
             cpu_util=args.cpu_util,
             atomic_type=args.atomic_type,
+            rdma_cm=args.rdma_cm,
         ).validate()
     except (PerfUsageError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -99,6 +99,8 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["write_bw", "--output=bandwidth", "--json"], "--output and --json are exclusive"),
         (["atomic_bw", "--atomic_type", "SWAP"],
          "unknown atomic type 'SWAP'; choose one of CMP_AND_SWAP, FETCH_AND_ADD"),
+        (["write_lat", "-R", "--baseline", "raw-udp", "--baseline-only"],
+         "-R connects QPs through the connection manager: --baseline-only makes none"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,6 +264,17 @@ def test_atomic_type_names_itself_as_perftest_and_travels_to_the_server() -> Non
     # a client that predates the flag: Fetch-and-Add
     old = {k: v for k, v in p.to_wire().items() if k != "atomic_type"}
     assert PerfParams.from_wire(old).atomic() == "FETCH_AND_ADD"
+
+
+def test_rdma_cm_is_parsed_in_perftest_spellings_and_travels_to_the_server() -> None:
+    p = _params("write_bw", "-R")
+    assert p.rdma_cm and _params("read_lat", "--rdma_cm").rdma_cm and _params("send_bw", "--rdma-cm").rdma_cm
+    assert PerfParams.from_wire(p.to_wire()) == p and not _params("write_bw").rdma_cm
+    with pytest.raises(PerfUsageError):
+        PerfParams.from_wire({**p.to_wire(), "rdma_cm": 1})
+    # a client that predates the flag connects by hand
+    old = {k: v for k, v in p.to_wire().items() if k != "rdma_cm"}
+    assert not PerfParams.from_wire(old).rdma_cm
 
 
 def test_report_gbits_is_parsed_in_both_spellings() -> None:

@@ -546,3 +546,73 @@ def test_cpu_util_reports_both_daemons(capsys: pytest.CaptureFixture[str], argv:
     for key in ("daemon_cpu_pct", "daemon_busy_pct"):
         # shares of the run's wall time: a daemon has one data loop
         assert set(row[key]) == {"client", "server"} and all(0 < v < 150 for v in row[key].values()), row
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["write_bw", "-s", "3000", "-n", "30", "-q", "3", "-t", "4"],
+        # the QPs in INIT keep the atomic access the connection manager would not give
+        ["atomic_lat", "-n", "20", "-A", "CMP_AND_SWAP"],
+        # receives posted after the connection, from the SRQ on both sides
+        ["send_bw", "-s", "100", "-n", "25", "-q", "2", "-t", "4", "-b", "--use_srq"],
+    ],
+    ids=["write_bw_3_qps", "atomic_lat_cas", "send_bw_srq_both_ways"],
+)
+def test_rdma_cm_connects_every_qp_through_the_connection_manager(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    from udpverbs import verbs
+
+    # The real connect, counted: it returns only once the server has accepted.
+    connected: list[tuple[int, bytes]] = []
+    real = verbs.connect
+
+    def connect(qp, host, port, **kw):  # type: ignore[no-untyped-def]
+        conn = real(qp, host, port, **kw)
+        connected.append((qp.qp_num, kw["private_data"]))
+        return conn
+
+    monkeypatch.setattr(verbs, "connect", connect)
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_connect_by_hand", lambda self: pytest.fail("connected by hand"))
+    seen: dict[str, Any] = {}
+    _at_client_close(monkeypatch, lambda side: seen.update(qpns=[qp.qp_num for qp in side.qps],
+                                                           remote=side.remote["qpns"]))
+    rc = cli.main(["perf", *argv, "-R", "--local"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "Data ex. method : rdma_cm" in out
+    assert [q for q, _ in connected] == seen["qpns"] and len(seen["remote"]) == len(seen["qpns"])
+    assert [verbs_perf._CM_INDEX.unpack(pd)[0] for _, pd in connected] == list(range(len(seen["qpns"])))
+
+
+def test_rdma_cm_server_refuses_requests_that_are_not_the_clients(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    from udpverbs import verbs
+    from udpverbs.verbs import enums as E
+
+    refused: list[int] = []
+    real = verbs_perf.VerbsSide._connect_with_cm
+
+    def strays_first(self, timeout_s):  # type: ignore[no-untyped-def]
+        # A QP the client never announced asks for index 0, then one with
+        # private data that names no index; the server turns both away and
+        # goes on waiting for the client's own.
+        r = self.remote
+        stray = verbs.QP(self.pd, verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq))
+        for data in (verbs_perf._CM_INDEX.pack(0), b"?"):
+            with pytest.raises(verbs.VerbsError) as e:
+                verbs.connect(stray, verbs.GID(r["gid"]).ip, r["cm_port"], udp_port=r["port"], private_data=data,
+                              timeout=10)
+            refused.append(e.value.error_code)
+            stray.close()
+            stray = verbs.QP(self.pd, verbs.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq))
+        stray.close()
+        real(self, timeout_s)
+
+    monkeypatch.setattr(verbs_perf.VerbsSide, "_connect_with_cm", strays_first)
+    rc, rows, err = _run(capsys, "write_bw", "-n", "20", "-q", "2", "-R", "--local", "--json")
+    assert rc == 0, err
+    assert refused == [errno.ECONNREFUSED, errno.ECONNREFUSED]
+    assert len(rows) == 1 and rows[0]["iterations"] == 20
