@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-Parse flags and TOML (``config.py``), bind the UDP socket and the control
+Parse flags and TOML (``config.py``), set the process's allocator to keep
+freed memory for reuse (``heap.py``), bind the UDP socket and the control
 socket (refusing clearly if another daemon holds either), then run one trio
 nursery holding the control server, the data-path loop and a signal
 watcher; SIGINT/SIGTERM cancel the nursery and every resource is released
@@ -22,6 +23,7 @@ from typing import Any
 import trio
 
 from . import config as dconfig
+from . import heap
 from .cm import ConnectionManager
 from .control import check_socket_free, serve_control
 from .device import Device, DeviceConfig
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=str(cfg["log_level"]).upper(), stream=sys.stderr,
                         format="%(asctime)s udpverbsd[%(process)d] %(levelname)s %(message)s")
+    heap.keep_freed_heap(cfg["heap_keep_mb"])
     try:
         trio.run(run, cfg)
     except OSError as e:

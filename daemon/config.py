@@ -22,6 +22,7 @@ import tomllib
 from typing import Any
 
 from ..wire import ctl
+from . import heap
 
 DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
 DEFAULT_MTU = 1472  #: UDP payload of a 1500-byte Ethernet MTU
@@ -79,12 +80,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rx-dispatch-budget", type=int, metavar="N",
                    help="datagrams of one GRO batch that go through the Python path per pass, the rest in the next "
                    "passes, so that answers to the first leave sooner (default 8; 0: no limit)")
+    p.add_argument("--heap-keep-mb", type=int, metavar="MB",
+                   help="freed heap memory the daemon keeps mapped for its next buffers instead of returning it to "
+                   f"the kernel, which would make each reuse page-fault (default {heap.DEFAULT_KEEP_MB}; 0: the C "
+                   "library's default)")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
 
 _KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native",
-         "rx_dispatch_budget")
+         "rx_dispatch_budget", "heap_keep_mb")
 
 
 def parse_flags(argv: list[str] | None) -> argparse.Namespace:
@@ -118,7 +123,8 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     args = parser().parse_args(argv) if exit_on_error else parse_flags(argv)
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
-                           "cc": "efe-host", "gso": True, "native": True, "rx_dispatch_budget": 8}
+                           "cc": "efe-host", "gso": True, "native": True, "rx_dispatch_budget": 8,
+                           "heap_keep_mb": heap.DEFAULT_KEEP_MB}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
@@ -137,6 +143,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     budget = cfg["rx_dispatch_budget"]
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(f"rx_dispatch_budget must be a whole number, not {budget!r}")
+    heap.check_keep_mb(cfg["heap_keep_mb"])
     check_mtu(cfg["mtu"])
     link = dict(cfg.pop("link", {}) or {})
     for item in args.link:

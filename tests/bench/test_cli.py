@@ -62,6 +62,7 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["atomic_bw", "--local", "--daemon-arg=--rx-dispatch-budget=-1"],
          "rx_dispatch_budget must be 0 (no limit) or more"),
         (["atomic_bw", "--local", "--daemon-arg=--rx-dispatch-budget=x"], "invalid int value"),
+        (["write_bw", "--local", "--daemon-arg=--heap-keep-mb=2048"], "heap_keep_mb must be a whole number from 0"),
         (["write_lat", "--local", "--daemon-arg=--log-level=loud"], "unknown log level 'loud'"),
         (["write_lat", "--local", "--daemon-arg=--port=5"], "--local sets --port itself"),
         (["write_lat", "--local", "--daemon-arg=--mt=9000"], "--local sets --mtu itself (-m sets the MTU)"),
