@@ -74,7 +74,7 @@ import trio
 import trio.testing
 
 from ..transport.congestion.base import create as create_cc
-from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkUp, one_per_datagram
+from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkUp, one_per_datagram, run_slots
 from ..transport.sockbuf import datagrams_that_fit
 from ..wire import ctl, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
@@ -318,11 +318,14 @@ class PeerLink:
         prefix = dev.tx_segments.prefix
         # every segment's link body is the same size: a longer header, less payload
         stride = segment.TAGGED_PREFIX_LEN + self.max_data
-        buf = bytearray((count - 1) * stride + prefix + last_len)
+        # each body where its link packet will be, so the framer leaves it there
+        head, slot = run_slots(stride)
+        buf = bytearray((count - 1) * slot + slot - stride + prefix + last_len)
         mem = ffi.from_buffer("uint8_t[]", src)  # first: a released view raises before anything is held
         dst = ffi.from_buffer("uint8_t[]", buf)
         try:
-            dev.native.lib.udpv_tx_bodies(dev.tx_segments, dst, mem + start, count, stride, last_len, ends)
+            dev.native.lib.udpv_tx_bodies(dev.tx_segments, dst + head, mem + start, count, stride, last_len, ends,
+                                          slot)
         finally:
             ffi.release(mem)  # no export may outlive the call: deregistration releases the view
             ffi.release(dst)

@@ -220,6 +220,13 @@ def one_per_datagram(out: list[Any]) -> list[bytes | memoryview]:
     return flat
 
 
+def run_slots(stride: int) -> tuple[int, int]:
+    """Where :meth:`Link.send_run` with ``slotted`` wants a run's messages of
+    ``stride`` bytes: (the first's offset, the distance from one to the
+    next), leaving each packet's header before it and its CRC after it."""
+    return wl.HEADER_LEN, stride + wl.OVERHEAD
+
+
 class Link:
     """One reliable link to one peer daemon (see the module docstring).
 
@@ -779,12 +786,15 @@ class Link:
         return n
 
     def send_run(self, buf: bytearray, stride: int, count: int, last_len: int) -> int:
-        """Queue ``count`` messages held in ``buf``, ``stride`` bytes apart, the
-        last ``last_len`` long; return the first one's number.
+        """Queue ``count`` messages held in ``buf``, ``stride`` bytes long, the
+        last ``last_len``, each in the place its packet will have
+        (:func:`run_slots`); return the first one's number.
 
         As :meth:`send` for each, but the link keeps ``buf`` itself (the
-        caller must not change it) and, with a framer, builds their packets
-        in one compiled call when they leave in order.
+        caller must not change the messages) and, with a framer, writes the
+        packets' headers and CRCs around them in one compiled call when they
+        leave in order, and sends that part of ``buf``: the payload is
+        copied once on its way from the caller to the socket.
 
         Raises:
             ValueError: a message longer than ``config.max_payload``.
@@ -796,8 +806,7 @@ class Link:
         if self.state >= LinkState.CLOSED:
             raise RuntimeError(f"send_run() on a {self.state.name} link")
         n0 = self._next_n
-        view = memoryview(buf)
-        self.recovery.add_run(n0, count, view, stride, last_len)
+        self.recovery.add_run(n0, count, memoryview(buf), stride, last_len, *run_slots(stride))
         self._next_n = n0 + count
         if self._framer is not None:
             self._runs.append((n0, n0 + count, buf, stride, last_len))
@@ -1010,19 +1019,16 @@ class Link:
         f.flag_at = self._next_n - 1 - n
         f.flag = _ACK_NOW
         ffi = self._framer.ffi
-        first = (n - n0) * stride
+        first = (n - n0) * full  # the packets' places in buf (run_slots)
         last = total - (k - 1) * full - overhead  # the k-th body's length
-        packet = bytearray(total)
-        dst = ffi.from_buffer("uint8_t[]", packet)
-        src = ffi.from_buffer("uint8_t[]", buf)
+        dst = ffi.from_buffer("uint8_t[]", buf)
         try:
-            self._framer.lib.udpv_tx_frame_run(f, dst, src + first, k, stride, last)
+            self._framer.lib.udpv_tx_frame_slots(f, dst + first, k, stride, last)
         finally:
-            ffi.release(src)
             ffi.release(dst)
         self.framed_datagrams += k
-        # no copy: the owner sends the buffer as it is
-        out.append(Burst(memoryview(packet).toreadonly(), full))
+        # no copy: the owner sends that part of buf as it is
+        out.append(Burst(memoryview(buf)[first:first + total].toreadonly(), full))
         self.stats.datagrams_sent += k - 1  # the caller counts the Burst as one
         return k, total
 

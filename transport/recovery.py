@@ -115,19 +115,21 @@ class Recovery:
         """Message ``n`` is queued with ``payload``."""
         self.messages[n] = payload
 
-    def add_run(self, n: int, count: int, buf: memoryview, stride: int, last_len: int) -> None:
+    def add_run(self, n: int, count: int, buf: memoryview, stride: int, last_len: int, head: int = 0,
+                slot: int | None = None) -> None:
         """Messages ``n`` .. ``n + count - 1`` are queued in ``buf``, ``stride``
-        bytes apart, the last ``last_len`` long."""
-        self._runs.append([n, n + count, buf, stride, last_len, n])
+        bytes long but the last (``last_len``), the first at ``head`` and the
+        next ``slot`` bytes apart (default ``stride``: back to back)."""
+        self._runs.append([n, n + count, buf, stride, last_len, n, head, stride if slot is None else slot])
 
     def message(self, n: int) -> bytes | bytearray | memoryview:
         """The payload of queued message ``n``.  Raises KeyError if there is none."""
         m = self.messages.get(n)
         if m is not None:
             return m
-        for start, end, buf, stride, last_len, first in self._runs:
+        for start, end, buf, stride, last_len, first, head, slot in self._runs:
             if start <= n < end:
-                at = (n - first) * stride
+                at = head + (n - first) * slot
                 return buf[at:at + (last_len if n == end - 1 else stride)]
         raise KeyError(n)
 

@@ -28,9 +28,11 @@ decisions where they are.  ``udpv_tx_bodies`` builds the bodies of a run of
 one message's segments (an RDMA Write's, a Read Response's or a Send's,
 within one SGE) straight from the registered memory into one buffer, from
 the two headers Python packed (``wire/segment.py``), stamping each
-segment's offset; ``Link.send_run`` queues them and ``udpv_tx_frame_run``
-puts link headers and CRCs around those the link lets leave
-(``Link._frame_run``).  Both produce exactly the bytes of the Python
+segment's offset, each body where its link packet will be
+(``transport.link.run_slots``); ``Link.send_run`` queues them and
+``udpv_tx_frame_slots`` writes link headers and CRCs around those the link
+lets leave (``Link._frame_run``), so the buffer goes to the socket as it
+is and the payload is copied once.  Both produce exactly the bytes of the Python
 encoders (``tests/wire/test_native.py``), and a device with the lanes sends
 what a device without them sends (``tests/daemon/test_native_send_lane.py``).
 
@@ -100,7 +102,7 @@ typedef struct {
 } udpv_tx_segments;
 
 void udpv_tx_bodies(const udpv_tx_segments *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
-                    size_t last_len, int ends);
+                    size_t last_len, int ends, size_t spacing);
 
 typedef struct {
     uint32_t path_id, conn_tag, seq, ack, ts, echo, rwnd;
@@ -108,8 +110,7 @@ typedef struct {
     uint32_t flag;
 } udpv_tx_frame;
 
-size_t udpv_tx_frame_run(const udpv_tx_frame *f, uint8_t *out, const uint8_t *bodies, size_t k, size_t stride,
-                         size_t last_len);
+size_t udpv_tx_frame_slots(const udpv_tx_frame *f, uint8_t *out, size_t k, size_t stride, size_t last_len);
 uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n);
 
 size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watched, size_t n, size_t cons_word,

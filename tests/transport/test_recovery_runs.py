@@ -43,15 +43,22 @@ def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int) -> None:
         if op == "queue":
             k = data.draw(st.integers(1, 6))
             if data.draw(st.booleans()):
-                # a payload run: stride-spaced messages in one buffer, the last shorter
+                # a payload run: messages in one buffer, the last shorter, back
+                # to back or (the send lane's slotted runs) each after a head
+                # and slot bytes from the next, with other bytes in between
                 stride, last_len = 7, data.draw(st.integers(0, 7))
-                buf = bytearray((k - 1) * stride + last_len)
+                head, slot = data.draw(st.sampled_from([(0, stride), (3, stride + 5)]))
+                buf = bytearray(b"\xee" * (head + (k - 1) * slot + last_len + 2))
                 for i in range(k):
                     n = queued + i
                     length = last_len if i == k - 1 else stride
-                    buf[i * stride:i * stride + length] = bytes([n % 251]) * length
-                    model.messages[n] = bytes(buf[i * stride:i * stride + length])
-                rec.add_run(queued, k, memoryview(buf), stride, last_len)
+                    at = head + i * slot
+                    buf[at:at + length] = bytes([n % 251]) * length
+                    model.messages[n] = bytes(buf[at:at + length])
+                if (head, slot) == (0, stride):
+                    rec.add_run(queued, k, memoryview(buf), stride, last_len)
+                else:
+                    rec.add_run(queued, k, memoryview(buf), stride, last_len, head, slot)
             else:
                 for n in range(queued, queued + k):
                     payload = bytes([n % 251, 1])

@@ -10,7 +10,7 @@ expects the run to end before it, with nothing of it written.  That the lane
 and the Python path agree on whole streams is
 ``tests/daemon/test_native_lane.py``.
 
-The send lane's two builders (``udpv_tx_bodies``, ``udpv_tx_frame_run``)
+The send lane's two builders (``udpv_tx_bodies``, ``udpv_tx_frame_slots``)
 must produce exactly the bytes of the Python encoders, for any field values;
 ``tests/daemon/test_native_send_lane.py`` checks whole streams.
 """
@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from udpverbs.daemon import device
+from udpverbs.transport.link import run_slots
 from udpverbs.wire import link, native, rdmap, segment
 from udpverbs.wire.link import PacketType
 from udpverbs.wire.rdmap import Opcode
@@ -286,15 +287,20 @@ def test_the_send_lane_builds_what_the_python_encoders_build(
     t.off_at, t.off_len, t.off = (segment.TO_AT, 8, to) if tagged else (segment.MO_AT, 4, mo)
     stride = prefix + max_data
     bodies = bytearray((k - 1) * stride + prefix + last_len)
-    lib.udpv_tx_bodies(t, ffi.from_buffer("uint8_t[]", bodies), source, k, stride, last_len, ends)
+    lib.udpv_tx_bodies(t, ffi.from_buffer("uint8_t[]", bodies), source, k, stride, last_len, ends, stride)
     assert [bytes(bodies[i * stride:i * stride + prefix + n]) for i, (_, n) in
             enumerate(expected)] == [b for b, _ in expected]
     f = ffi.new("udpv_tx_frame *")
     f.path_id, f.conn_tag, f.seq, f.ack, f.ts, f.echo, f.rwnd = path_id, tag, seq, ack, ts, echo, rwnd
     f.flag_at, f.flag = flag_at, link.LinkFlags.ACK_NOW
-    out = bytearray(sum(map(len, packets)))
-    assert lib.udpv_tx_frame_run(f, ffi.from_buffer("uint8_t[]", out), ffi.from_buffer("uint8_t[]", bodies), k,
-                                 stride, prefix + last_len) == len(out)
+    # as the daemon sends them: each body built where its packet will be
+    # (Link.send_run's layout), then the headers and CRCs written around
+    # them; the spoiled bytes in between must all be overwritten
+    head, slot = run_slots(stride)
+    assert slot == stride + link.OVERHEAD
+    out = bytearray(b"\xee" * sum(map(len, packets)))
+    lib.udpv_tx_bodies(t, ffi.from_buffer("uint8_t[]", out) + head, source, k, stride, last_len, ends, slot)
+    assert lib.udpv_tx_frame_slots(f, ffi.from_buffer("uint8_t[]", out), k, stride, prefix + last_len) == len(out)
     assert bytes(out) == b"".join(packets)
     # and the receiving side's parser reads them back
     for p in packets:
