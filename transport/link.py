@@ -221,9 +221,9 @@ def one_per_datagram(out: list[Any]) -> list[bytes | memoryview]:
 
 
 def run_slots(stride: int) -> tuple[int, int]:
-    """Where :meth:`Link.send_run` with ``slotted`` wants a run's messages of
-    ``stride`` bytes: (the first's offset, the distance from one to the
-    next), leaving each packet's header before it and its CRC after it."""
+    """Where :meth:`Link.send_run` wants a run's messages of ``stride`` bytes:
+    (the first's offset, the distance from one to the next), leaving each
+    packet's header before it and its CRC after it."""
     return wl.HEADER_LEN, stride + wl.OVERHEAD
 
 
