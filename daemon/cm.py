@@ -319,8 +319,6 @@ class ConnectionManager:
         if out.failure:
             raise TableError(errno.ECONNRESET, f"connect failed: {out.failure}")
         if ans is None:
-            if out.failure:
-                raise TableError(errno.ECONNRESET, f"connect failed: {out.failure}")
             raise TableError(errno.ETIMEDOUT, f"no answer from {ip}:{req.udp_port} before the timeout")
         if isinstance(ans, wcm.Reject):
             why = {wcm.RejectReason.NO_LISTENER: f"nobody listens on service port {req.port}",
