@@ -266,8 +266,9 @@ typedef struct {
 
 /* k link bodies (header + payload) for consecutive segments of one message,
    each `stride` = prefix + max_data bytes long but the k-th, `spacing` bytes
-   apart in `out` (stride, or a link packet's slot around each body: see
-   udpv_tx_frame_slots); payload from `src`, max_data bytes each, the k-th
+   apart in `out` (the link packets' slots, which transport/link.py's
+   run_slots defines: see udpv_tx_frame_slots); payload from `src`,
+   max_data bytes each, the k-th
    `last_len` bytes. The k-th gets the `last` header when `ends` (the
    message's last segment). */
 void udpv_tx_bodies(const udpv_tx_segments *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
@@ -294,36 +295,32 @@ typedef struct {
     uint32_t flag;
 } udpv_tx_frame;
 
-/* The link header and CRC32c of the i-th DATA packet of a run around the
-   `n`-byte body already at p + LINK_HEADER_LEN (wire/link.py: header, body,
-   CRC32c over both, no SACK blocks). Returns the packet's length. */
-static size_t frame_one(const udpv_tx_frame *f, uint8_t *p, size_t i, size_t n) {
-    p[0] = LINK_VERSION;
-    p[1] = PTYPE_DATA;
-    p[2] = i == f->flag_at ? (uint8_t)f->flag : 0;
-    p[3] = (uint8_t)f->path_id;
-    put32(p + 4, f->conn_tag);
-    put32(p + 8, f->seq + (uint32_t)i);
-    put32(p + 12, f->ack);
-    put32(p + 16, f->ts);
-    put32(p + 20, f->echo);
-    put16(p + 24, f->rwnd);
-    p[26] = 0;
-    p[27] = 0;
-    put32(p + LINK_HEADER_LEN + n, udpv_crc32c(0, p, LINK_HEADER_LEN + n));
-    return LINK_HEADER_LEN + n + CRC_LEN;
-}
-
 /* k DATA link packets around bodies `stride` bytes long (the k-th
    `last_len`) that are already in their packets' places in `out`
    (udpv_tx_bodies with spacing 28 + stride + 4, from out + 28), sequence
-   numbers seq, seq+1, ...: only the headers and CRCs are written, so the
-   payload is copied once, from the registered memory, on its way to the
-   socket. Returns the bytes of the k packets. */
+   numbers seq, seq+1, ... (wire/link.py: header, body, CRC32c over both, no
+   SACK blocks): only the headers and CRCs are written, so the payload is
+   copied once, from the registered memory, on its way to the socket.
+   Returns the bytes of the k packets. */
 size_t udpv_tx_frame_slots(const udpv_tx_frame *f, uint8_t *out, size_t k, size_t stride, size_t last_len) {
     uint8_t *p = out;
-    for (size_t i = 0; i < k; i++)
-        p += frame_one(f, p, i, i + 1 == k ? last_len : stride);
+    for (size_t i = 0; i < k; i++) {
+        size_t n = i + 1 == k ? last_len : stride;
+        p[0] = LINK_VERSION;
+        p[1] = PTYPE_DATA;
+        p[2] = i == f->flag_at ? (uint8_t)f->flag : 0;
+        p[3] = (uint8_t)f->path_id;
+        put32(p + 4, f->conn_tag);
+        put32(p + 8, f->seq + (uint32_t)i);
+        put32(p + 12, f->ack);
+        put32(p + 16, f->ts);
+        put32(p + 20, f->echo);
+        put16(p + 24, f->rwnd);
+        p[26] = 0;
+        p[27] = 0;
+        put32(p + LINK_HEADER_LEN + n, udpv_crc32c(0, p, LINK_HEADER_LEN + n));
+        p += LINK_HEADER_LEN + n + CRC_LEN;
+    }
     return (size_t)(p - out);
 }
 
