@@ -142,6 +142,10 @@ class ControlChannel:
         """Return the local IP address of the connection (where the peer reaches us)."""
         return str(self.sock.getsockname()[0])
 
+    def local_port(self) -> int:
+        """Return the local TCP port of the connection (a server's: the one it listens on)."""
+        return int(self.sock.getsockname()[1])
+
     def peer_ip(self) -> str:
         """Return the peer's IP address."""
         return str(self.sock.getpeername()[0])

@@ -325,7 +325,7 @@ class VerbsSide:
         listener = None
         cm_port = 0  # the service port this side listens on (-R's server)
         if self.params.rdma_cm and not self.is_client:
-            cm_port = self.ctrl.sock.getsockname()[1]
+            cm_port = self.ctrl.local_port()
             # listening before the exchange: the client connects as soon as it has our address
             try:
                 listener = v.CMListener(self.ctx, cm_port)
