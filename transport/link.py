@@ -268,6 +268,9 @@ class Link:
         # sender
         self.recovery = Recovery(config.reorder_threshold)
         self._next_n = 0  # number the next send() gets
+        # a message queued since the last ACK_NOW left wants its ACK at once
+        # (every message but one queued with ack_now=False)
+        self._want_ack_now = False
         self._snd_nxt = 0  # lowest never-transmitted message
         self.peer_rwnd = 0
         self._rto_deadline: float | None = None
@@ -762,11 +765,18 @@ class Link:
 
     # --- sending ------------------------------------------------------------
 
-    def send(self, message: bytes | bytearray | memoryview, now: float) -> int:
+    def send(self, message: bytes | bytearray | memoryview, now: float, ack_now: bool = True) -> int:
         """Queue one message; returns its number n (0, 1, 2, ...).
 
         A ``bytearray`` is kept, not copied: the caller must not change it
         afterwards (it may be retransmitted).
+
+        ``ack_now=False``: the message does not ask the peer to ACK it at
+        once (the last packet of a burst sets ACK_NOW only if a message in
+        the burst asked), so its ACK waits for the peer's next DATA or its
+        delayed-ACK timer.  For a message whose sender waits on nothing but
+        the link's retransmission state, e.g. a Modified ACK: answering it
+        with an ACK of its own costs both daemons a datagram.
 
         Raises:
             ValueError: longer than ``config.max_payload``.
@@ -783,6 +793,8 @@ class Link:
         t = type(message)
         self.recovery.add(n, message if t is bytes or t is bytearray else bytes(message))
         self._next_n = n + 1
+        if ack_now:
+            self._want_ack_now = True
         return n
 
     def send_run(self, buf: bytearray, stride: int, count: int, last_len: int) -> int:
@@ -808,6 +820,7 @@ class Link:
         n0 = self._next_n
         self.recovery.add_run(n0, count, memoryview(buf), stride, last_len, *run_slots(stride))
         self._next_n = n0 + count
+        self._want_ack_now = True
         if self._framer is not None:
             self._runs.append((n0, n0 + count, buf, stride, last_len))
         return n0
@@ -929,7 +942,11 @@ class Link:
                     snd_nxt = n + 1
                     # ACK_NOW on the last queued message, so the peer does
                     # not hold the ACK of a burst's tail for max_ack_delay_s.
-                    flags = _ACK_NOW if snd_nxt >= next_n else 0
+                    if snd_nxt >= next_n and self._want_ack_now:
+                        flags = _ACK_NOW
+                        self._want_ack_now = False
+                    else:
+                        flags = 0
                 if clock is not None:
                     t = clock()
                     ts = int(t * 1e6) & _U32
@@ -1017,7 +1034,9 @@ class Link:
         f.rwnd = rwnd
         # ACK_NOW on the last message queued (as the loop sets it)
         f.flag_at = self._next_n - 1 - n
-        f.flag = _ACK_NOW
+        f.flag = _ACK_NOW if self._want_ack_now else 0
+        if n + k >= self._next_n:
+            self._want_ack_now = False
         ffi = self._framer.ffi
         first = (n - n0) * full  # the packets' places in buf (run_slots)
         last = total - (k - 1) * full - overhead  # the k-th body's length

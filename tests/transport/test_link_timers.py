@@ -264,6 +264,32 @@ def test_delayed_ack_timer_and_ack_every() -> None:
     assert len(b.datagrams_to_send(t + 2 * D)) == 1
 
 
+def test_a_message_sent_without_ack_now_waits_for_the_delayed_ack() -> None:
+    a, b = make_pair(cfg(max_ack_delay_s=0.0002))
+    t = establish(a, b)
+    a.send(b"quiet", t, ack_now=False)
+    (d1,) = a.datagrams_to_send(t)
+    assert not wl.decode_untrusted(d1)[0].flags & wl.LinkFlags.ACK_NOW
+    feed(b, [d1], t + D)
+    assert b.datagrams_to_send(t + D) == []  # held for the delayed-ACK timer (or b's next DATA)
+    assert b.next_deadline() == pytest.approx(t + D + 0.0002)
+    # A burst whose last message is quiet still asks, if another in it did not.
+    a.send(b"loud", t + D, ack_now=True)
+    a.send(b"quiet", t + D, ack_now=False)
+    d2, d3 = a.datagrams_to_send(t + D)
+    assert [bool(wl.decode_untrusted(d)[0].flags & wl.LinkFlags.ACK_NOW) for d in (d2, d3)] == [False, True]
+    # ... and not again once that ACK_NOW has left.
+    a.send(b"quiet", t + D, ack_now=False)
+    (d4,) = a.datagrams_to_send(t + D)
+    assert not wl.decode_untrusted(d4)[0].flags & wl.LinkFlags.ACK_NOW
+    # The ACK of a quiet message rides on the receiver's next DATA.
+    b.send(b"answer", t + D)
+    (answer,) = b.datagrams_to_send(t + D)
+    h, _ = wl.decode_untrusted(answer)
+    assert h.ptype == wl.PacketType.DATA and h.ack == (a.isn + 1) % 2**32
+    assert b.datagrams_to_send(t + D) == [] and b.stats.acks_sent == 0
+
+
 def test_echo_excludes_ack_delay() -> None:
     a, b = make_pair(cfg(max_ack_delay_s=0.0002, ack_every=2))
     t = establish(a, b)
