@@ -122,6 +122,7 @@ _SEND_CTRL = {int(op): (ctrl, rctl, ctrl) for (op, last), (ctrl, rctl, _) in rdm
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
+_FLOW_ACK = int(envelope.Flags.FLOW_ACK)
 # Linux UDP segmentation offload (include/uapi/linux/udp.h); the socket
 # module of Python 3.11 does not name them.
 SOL_UDP = 17
@@ -279,9 +280,10 @@ class PeerLink:
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
 
-    def send(self, message: bytes | bytearray) -> int:
-        """Queue one message on the link; return its message number."""
-        return self.link.send(message, self.device.now)
+    def send(self, message: bytes | bytearray, ack_now: bool = True) -> int:
+        """Queue one message on the link; return its message number
+        (``ack_now``: as for ``Link.send``)."""
+        return self.link.send(message, self.device.now, ack_now)
 
     def send_tagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, stag: int, to: int, src: memoryview,
                         start: int, count: int, last_len: int, ends: bool) -> int:
@@ -484,6 +486,7 @@ class Device:
         # of our CPUs (sessions_changed).
         self.yield_on_delivery = True
         self.rnr_waiting: set[QueuePair] = set()  # QPs backing off after an RNR NACK
+        self.flow_ack_holding: set[QueuePair] = set()  # QPs holding a Modified ACK for their answer
         self.inflight_spin_s = max(config.spin_s, 0.002) if config.spin_s > 0 else 0.0
         # trio's clock, read without trio.current_time()'s run-context lookup
         # (0.1 vs 0.4 µs; it is read on every pass); bound in run_data_path.
@@ -1191,7 +1194,11 @@ class Device:
                     return
                 self.qp_changed(qp)
                 if kind == Kind.DDP:
-                    qp.on_segment(hdr, payload, memoryview(msg)[envelope.ENVELOPE_LEN:], env.flags)
+                    raw = memoryview(msg)[envelope.ENVELOPE_LEN:]
+                    if env.flags & _FLOW_ACK:
+                        qp.on_flow_ack(envelope.flow_ack_msn(msg))
+                        raw = raw[:-envelope.FLOW_ACK_LEN]
+                    qp.on_segment(hdr, payload, raw, env.flags)
                     op = hdr.opcode
                     if op not in _ANSWERED_BY_DAEMON:
                         self._delivered = True
@@ -1251,6 +1258,11 @@ class Device:
                 self.rnr_waiting.discard(qp)
             elif qp.rnr_until < t:
                 t = qp.rnr_until
+        for qp in list(self.flow_ack_holding):
+            if qp.flow_ack_hold is None or qp.state == S.IBV_QPS_ERR or self.qps.get(qp.qpn) is not qp:
+                self.flow_ack_holding.discard(qp)
+            elif qp.flow_ack_hold < t:
+                t = qp.flow_ack_hold
         return t
 
     async def run_data_path(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -100,6 +100,8 @@ _SEND_OPCODE = {(False, False): Opcode.SEND, (False, True): Opcode.SEND_SE,
 _Q0_OPCODES = frozenset({Opcode.SEND, Opcode.SEND_SE, Opcode.SEND_INVALIDATE, Opcode.SEND_SE_INVALIDATE,
                          Opcode.IMMEDIATE_DATA, Opcode.IMMEDIATE_DATA_SE})
 _IMM_FOLLOWS = int(envelope.Flags.IMM_FOLLOWS)
+_FLOW_ACK = int(envelope.Flags.FLOW_ACK)
+_FLOW_ACK_LEN = envelope.FLOW_ACK_LEN
 _REMOTE_ATOMIC = int(A.IBV_ACCESS_REMOTE_ATOMIC)
 _U64 = 0xFFFFFFFFFFFFFFFF
 _HOST_ORDER = sys.byteorder  # atomics operate on host-order words, as verbs applications expect
@@ -506,6 +508,13 @@ class QueuePair:
         self.rx_rnr = False  # NACKed rx_msn: drop queue-0 messages until it comes again from MO 0
         self.rx_resume_sent = False
         self.flow_ack_due = False
+        # Our answers carry our Modified ACKs (envelope FLOW_ACK): this QP
+        # sends a Send soon after it takes one, so an owed ACK waits for it
+        # until flow_ack_hold (the link's delayed-ACK time) instead of
+        # leaving alone at once, as TCP's delayed ACK waits for the reply.
+        self.flow_answers = False
+        self.flow_ack_hold: float | None = None
+        self.flow_ack_sent_at = float("-inf")  # when the last ACK left in a message of its own
         # the Write segment header packer for the current peer QP (segment.tagged_packer)
         self._write_packer: Any = None
         self._write_packer_dest = -1
@@ -884,16 +893,28 @@ class QueuePair:
                 return k
         n = min(max_data, remaining)
         last = m.sent + n == total
-        buf = bytearray(_UNTAGGED_PREFIX + n)
+        # The ACK we owe the peer's Sends rides on the end of ours when it fits.
+        carry = last and self.flow_ack_due and n + _FLOW_ACK_LEN <= max_data
+        buf = bytearray(_UNTAGGED_PREFIX + n + (_FLOW_ACK_LEN if carry else 0))
         # RFC 5041 §5.3: MSN numbers the message, MO is this segment's offset in it.
         segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, m.opcode, last, m.msn & _U32, m.sent,
-                                   m.inv_stag, m.flags if last else 0)
+                                   m.inv_stag, (m.flags | _FLOW_ACK if carry else m.flags) if last else 0)
         if n:
             m.gather.copy_out(buf, _UNTAGGED_PREFIX, n)
         m.sent += n
-        self.link.send(buf)
         if last:
             self.q0_cursor += 1
+            if carry:
+                envelope.pack_flow_ack_into(buf, _UNTAGGED_PREFIX + n, self.rx_msn)
+                self.flow_ack_due = False
+                self.flow_ack_hold = None
+                self.flow_answers = True
+                self.device.stats["flow_ack_carried"] += 1
+            elif self.device.now - self.flow_ack_sent_at <= self._flow_ack_delay_s():
+                self.flow_answers = True  # this Send could have carried the ACK that just left alone
+        # A Send completes on the peer's Modified ACK, not on the link's ACK:
+        # the link need not ask for one at once (the Modified ACK carries it).
+        self.link.send(buf, ack_now=False)
         return 1
 
     def _send_response(self, max_data: int, room: int) -> int:
@@ -933,15 +954,34 @@ class QueuePair:
     def _send_flow(self, ftype: int, msn: int, backoff_us: int = 0) -> None:
         if self.link is None or not self.link.up:
             return  # the link is gone: the QP is failing anyway
+        # The peer's link need not ACK a Modified ACK at once: nothing waits
+        # for that ACK but our retransmission state, and in a Send ping-pong
+        # each one drew a datagram back that this daemon then had to take.
         self.link.send(envelope.encode(Kind.FLOW, self.dest_qpn, self.qpn,
-                                       flow.encode(FlowMessage(ftype, msn & _U32, backoff_us))))
+                                       flow.encode(FlowMessage(ftype, msn & _U32, backoff_us))),
+                       ack_now=ftype != FlowType.ACK)
+
+    def _flow_ack_delay_s(self) -> float:
+        return self.link.link.config.max_ack_delay_s if self.link is not None else 0.0
 
     def _send_flow_control(self) -> None:
         """Receiver side, once per pass: the cumulative ACK of accepted queue-0
-        messages, and a RESUME once a receive is posted after an RNR NACK."""
+        messages (unless it waits for our answer to carry it), and a RESUME
+        once a receive is posted after an RNR NACK."""
         if self.flow_ack_due:
-            self.flow_ack_due = False
-            self._send_flow(FlowType.ACK, self.rx_msn)
+            now = self.device.now
+            if self.flow_answers:
+                if self.flow_ack_hold is None:
+                    self.flow_ack_hold = now + self._flow_ack_delay_s()
+                    self.device.flow_ack_holding.add(self)
+                elif now >= self.flow_ack_hold:
+                    self.flow_answers = False  # no answer in time: ACK at once until one comes quickly again
+                    self.device.stats["flow_ack_hold_expired"] += 1
+            if not self.flow_answers:
+                self.flow_ack_due = False
+                self.flow_ack_hold = None
+                self.flow_ack_sent_at = now
+                self._send_flow(FlowType.ACK, self.rx_msn)
         if self.rx_rnr and not self.rx_resume_sent:
             try:
                 posted = self.recv_ring.available()
@@ -972,18 +1012,7 @@ class QueuePair:
         msn = self._unwrap_msn(m.msn)
         stats = self.device.stats
         if m.ftype == FlowType.ACK:
-            q = self.q0
-            popped = 0
-            while q and q[0].msn < msn and popped < self.q0_cursor:
-                e = q.popleft()
-                popped += 1
-                if e.msn == e.wr.q0_last:
-                    e.wr.done = True
-            self.q0_cursor -= popped
-            if self.rnr_blocked_msn >= 0 and (not q or q[0].msn > self.rnr_blocked_msn):
-                self.rnr_blocked_msn = -1  # the NACKed message got in: new messages may go
-                self.rnr_tries = 0
-                self.rnr_until = None
+            self._flow_acked(msn)
         elif m.ftype == FlowType.RNR_NACK:
             stats["rnr_nack_received"] += 1
             idx = next((i for i, e in enumerate(self.q0) if e.msn == msn), -1)
@@ -1016,6 +1045,25 @@ class QueuePair:
             if self.rnr_blocked_msn == msn:
                 self.rnr_until = None  # the receiver has a buffer now: re-send at once
 
+    def on_flow_ack(self, wire_msn: int) -> None:
+        """A Modified ACK carried by a DDP message (envelope FLOW_ACK)."""
+        if self.state != S.IBV_QPS_ERR:
+            self._flow_acked(self._unwrap_msn(wire_msn))
+
+    def _flow_acked(self, msn: int) -> None:
+        """Every queue-0 message below ``msn`` was placed: their WRs may complete."""
+        q = self.q0
+        popped = 0
+        while q and q[0].msn < msn and popped < self.q0_cursor:
+            e = q.popleft()
+            popped += 1
+            if e.msn == e.wr.q0_last:
+                e.wr.done = True
+        self.q0_cursor -= popped
+        if self.rnr_blocked_msn >= 0 and (not q or q[0].msn > self.rnr_blocked_msn):
+            self.rnr_blocked_msn = -1  # the NACKed message got in: new messages may go
+            self.rnr_tries = 0
+            self.rnr_until = None
 
     # -- responder ----------------------------------------------------------
     def on_segment(self, hdr: Any, payload: memoryview, raw: memoryview, flags: int = 0) -> None:

@@ -21,15 +21,26 @@ receiver drop a message that does not come from the QP's connected peer
 (stale after QPN reuse, or misrouted).  QPN 0 is the connection manager.
 
 ``flags`` carries what the RFC bytes behind it cannot say about a message
-on a multiplexed link.  One bit is defined, on DDP messages only:
-``IMM_FOLLOWS`` on a Send (the last segment of it) says that the Immediate
-Data message after it belongs to the same receive: our Send with Immediate
-(verbs' IBV_WR_SEND_WITH_IMM) is a Send followed by RFC 7306 Immediate Data,
-and RFC 7306 alone would have the Immediate Data consume a receive of its own.
+on a multiplexed link.  Two bits are defined, on DDP messages only:
+
+* ``IMM_FOLLOWS`` on a Send (the last segment of it) says that the Immediate
+  Data message after it belongs to the same receive: our Send with Immediate
+  (verbs' IBV_WR_SEND_WITH_IMM) is a Send followed by RFC 7306 Immediate
+  Data, and RFC 7306 alone would have the Immediate Data consume a receive
+  of its own.
+* ``FLOW_ACK``: the message ends with a 4-byte trailer, not part of the DDP
+  segment: an MSN with the meaning of a Modified ACK (``wire/flow.py``
+  ``ACK``) from the source QP, "every queue-0 message of yours below this
+  MSN was placed".  A QP that answers Sends with Sends carries its ACK on
+  its answer instead of in a message of its own (``daemon/qp.py``)::
+
+      | envelope (8) | DDP segment ... | msn u32 |
+
 Every other bit, and any bit on another kind, is refused as ``bad_reserved``.
 
-``ENVELOPE`` (construct) is the reference declaration; ``encode``,
-``pack_into`` and ``decode_untrusted`` are the per-message fast path.
+``ENVELOPE`` and ``FLOW_ACK_TRAILER`` (construct) are the reference
+declarations; ``encode``, ``pack_into``, ``pack_flow_ack_into``,
+``decode_untrusted`` and ``flow_ack_msn`` are the per-message fast path.
 """
 
 from __future__ import annotations
@@ -61,9 +72,13 @@ _KIND_MAX = max(Kind)
 
 class Flags(enum.IntFlag):
     IMM_FOLLOWS = 0x01  #: the next Immediate Data completes this Send's receive
+    FLOW_ACK = 0x02  #: a Modified ACK's MSN ends the message (FLOW_ACK_TRAILER)
 
 
-_FLAGS_KNOWN = int(Flags.IMM_FOLLOWS)
+_FLAGS_KNOWN = int(Flags.IMM_FOLLOWS | Flags.FLOW_ACK)
+_FLOW_ACK = int(Flags.FLOW_ACK)
+#: bytes of the trailer a FLOW_ACK message ends with
+FLOW_ACK_LEN = 4
 
 # --- reference declaration ---------------------------------------------------
 
@@ -76,9 +91,13 @@ ENVELOPE = c.Struct(
     "src_qpn" / c.Int24ub,
 )
 
+#: the last FLOW_ACK_LEN bytes of a message whose envelope has FLOW_ACK
+FLOW_ACK_TRAILER = c.Struct("msn" / c.Int32ub)
+
 # --- fast path ---------------------------------------------------------------
 
 _ENV = struct.Struct("!II")
+_TRAILER = struct.Struct("!I")
 
 
 class Envelope(NamedTuple):
@@ -105,26 +124,55 @@ def pack_into(buf: bytearray | memoryview, offset: int, kind: int, dst_qpn: int,
 
 
 def encode(kind: int, dst_qpn: int, src_qpn: int, body: bytes | bytearray | memoryview = b"",
-           flags: int = 0) -> bytes:
-    """Return envelope + ``body`` as one bytes object.
+           flags: int = 0, flow_ack: int | None = None) -> bytes:
+    """Return envelope + ``body`` (+ the FLOW_ACK trailer with MSN
+    ``flow_ack``, which sets that flag) as one bytes object.
 
     Raises:
-        ValueError: a field is out of range.
+        ValueError: a field is out of range, or FLOW_ACK in ``flags`` without an MSN.
     """
-    buf = bytearray(ENVELOPE_LEN + len(body))
+    if flow_ack is not None:
+        flags |= _FLOW_ACK
+    elif flags & _FLOW_ACK:
+        raise ValueError("FLOW_ACK needs the MSN of its trailer")
+    n = ENVELOPE_LEN + len(body)
+    buf = bytearray(n + (FLOW_ACK_LEN if flow_ack is not None else 0))
     pack_into(buf, 0, kind, dst_qpn, src_qpn, flags)
-    buf[ENVELOPE_LEN:] = body
+    buf[ENVELOPE_LEN:n] = body
+    if flow_ack is not None:
+        pack_flow_ack_into(buf, n, flow_ack)
     return bytes(buf)
+
+
+def pack_flow_ack_into(buf: bytearray | memoryview, offset: int, msn: int) -> int:
+    """Write the FLOW_ACK trailer (the message's last bytes) at ``offset``;
+    return ``FLOW_ACK_LEN``.
+
+    Raises:
+        ValueError: ``msn`` out of range.
+    """
+    try:
+        _TRAILER.pack_into(buf, offset, msn)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return FLOW_ACK_LEN
+
+
+def flow_ack_msn(data: bytes | bytearray | memoryview) -> int:
+    """The MSN in the trailer of a message ``decode_untrusted`` accepted with FLOW_ACK."""
+    return _TRAILER.unpack_from(data, len(data) - FLOW_ACK_LEN)[0]
 
 
 def decode_untrusted(data: bytes | bytearray | memoryview) -> tuple[Envelope, memoryview]:
     """Parse the envelope of a link message from the network.
 
-    Returns the envelope and a view of the message after it.
+    Returns the envelope and a view of the message after it, up to the
+    FLOW_ACK trailer if the envelope has that flag (``flow_ack_msn`` reads it).
 
     Raises:
-        WireError: ``truncated``, ``bad_kind`` or ``bad_reserved`` (an unknown
-            flag, or a flag on a kind other than DDP); nothing else.
+        WireError: ``truncated`` (also: no room for the FLOW_ACK trailer),
+            ``bad_kind`` or ``bad_reserved`` (an unknown flag, or a flag on a
+            kind other than DDP); nothing else.
     """
     if len(data) < ENVELOPE_LEN:
         raise WireError("truncated", f"{len(data)} bytes, envelope needs {ENVELOPE_LEN}")
@@ -133,7 +181,13 @@ def decode_untrusted(data: bytes | bytearray | memoryview) -> tuple[Envelope, me
     if not 1 <= kind <= _KIND_MAX:
         raise WireError("bad_kind", str(kind))
     flags = w1 >> 24
-    if flags and (flags & ~_FLAGS_KNOWN or kind != Kind.DDP):
-        raise WireError("bad_reserved", "envelope flags")
+    end = len(data)
+    if flags:
+        if flags & ~_FLAGS_KNOWN or kind != Kind.DDP:
+            raise WireError("bad_reserved", "envelope flags")
+        if flags & _FLOW_ACK:
+            end -= FLOW_ACK_LEN
+            if end < ENVELOPE_LEN:
+                raise WireError("truncated", f"{len(data)} bytes, FLOW_ACK needs {ENVELOPE_LEN + FLOW_ACK_LEN}")
     # tuple.__new__ skips the NamedTuple's Python-level __new__ (per datagram).
-    return tuple.__new__(Envelope, (kind, w0 & MAX_QPN, w1 & MAX_QPN, flags)), memoryview(data)[ENVELOPE_LEN:]
+    return tuple.__new__(Envelope, (kind, w0 & MAX_QPN, w1 & MAX_QPN, flags)), memoryview(data)[ENVELOPE_LEN:end]

@@ -42,6 +42,7 @@ _DDP_WORD = _DDP << 24
 _TN = tuple.__new__  # see rdmap._TN
 _CLASSIFY = rdmap._CLASSIFY
 _FLAGS_KNOWN = envelope._FLAGS_KNOWN
+_FLOW_ACK = envelope._FLOW_ACK
 _REASONS = rdmap._REASONS
 
 
@@ -59,7 +60,7 @@ def decode_untrusted(
         WireError: any reason of ``envelope.decode_untrusted`` or
             ``rdmap.decode_untrusted``, for the same inputs; nothing else.
     """
-    if len(body) >= TAGGED_PREFIX_LEN and body[0] == _DDP and body[ENVELOPE_LEN] & 0x80:
+    if len(body) >= TAGGED_PREFIX_LEN and body[0] == _DDP and body[ENVELOPE_LEN] & 0x80 and not body[4] & _FLOW_ACK:
         # Common case (RDMA Write / Read Response data): one unpack, one lookup.
         w0, w1, ctrl, rctl, stag, to = _ENV_TAGGED.unpack_from(body)
         flags = w1 >> 24
@@ -155,12 +156,14 @@ def pack_untagged_into(
     return UNTAGGED_PREFIX_LEN
 
 
-def encode(dst_qpn: int, src_qpn: int, segment: bytes | bytearray | memoryview, flags: int = 0) -> bytes:
-    """Return a link body: a DDP envelope around a segment from ``rdmap.encode_*``.
+def encode(dst_qpn: int, src_qpn: int, segment: bytes | bytearray | memoryview, flags: int = 0,
+           flow_ack: int | None = None) -> bytes:
+    """Return a link body: a DDP envelope around a segment from
+    ``rdmap.encode_*`` (and a FLOW_ACK trailer: ``envelope.encode``).
 
     Not for the hot path (it copies); the send loop uses ``pack_*_into``.
 
     Raises:
         ValueError: a QPN is out of range.
     """
-    return envelope.encode(Kind.DDP, dst_qpn, src_qpn, segment, flags)
+    return envelope.encode(Kind.DDP, dst_qpn, src_qpn, segment, flags, flow_ack)

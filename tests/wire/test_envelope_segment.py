@@ -34,42 +34,76 @@ def test_imm_follows_flag_known_answer() -> None:
         envelope.encode(Kind.CM, 0, 0, b"", envelope.Flags.IMM_FOLLOWS)
 
 
+def test_flow_ack_trailer_known_answer() -> None:
+    wire = envelope.encode(Kind.DDP, 0x000102, 0xABCDEF, b"seg", flow_ack=0x0A0B0C0D)
+    assert wire == bytes.fromhex("01000102" "02abcdef") + b"seg" + bytes.fromhex("0a0b0c0d")
+    env, rest = envelope.decode_untrusted(wire)
+    assert env == Envelope(Kind.DDP, 0x102, 0xABCDEF, 2) and bytes(rest) == b"seg"
+    assert envelope.flow_ack_msn(wire) == 0x0A0B0C0D == envelope.FLOW_ACK_TRAILER.parse(wire[-4:]).msn
+    with pytest.raises(ValueError):
+        envelope.encode(Kind.DDP, 1, 2, b"", envelope.Flags.FLOW_ACK)  # the flag without its MSN
+    with pytest.raises(ValueError):
+        envelope.encode(Kind.FLOW, 1, 2, b"", flow_ack=1)  # DDP messages only
+    with pytest.raises(ValueError):
+        envelope.encode(Kind.DDP, 1, 2, b"", flow_ack=1 << 32)
+
+
+def test_flow_ack_trailer_is_not_part_of_the_segment() -> None:
+    seg = rdmap.encode_untagged(Opcode.SEND, True, 5, 0, b"payload")
+    wire = segment.encode(7, 8, seg, envelope.Flags.IMM_FOLLOWS, flow_ack=9)
+    env, header, view = segment.decode_untrusted(wire)
+    assert env.flags == envelope.Flags.IMM_FOLLOWS | envelope.Flags.FLOW_ACK
+    assert header == rdmap.decode_untrusted(seg)[0] and bytes(view) == b"payload"
+    assert envelope.flow_ack_msn(wire) == 9
+    # a tagged segment with the trailer leaves the fused fast path
+    tagged = segment.encode(7, 8, rdmap.encode_tagged(Opcode.RDMA_WRITE, True, 1, 2, b"AB"), flow_ack=3)
+    assert bytes(segment.decode_untrusted(tagged)[2]) == b"AB"
+    # an Atomic Request's fixed-size body is checked without the trailer
+    atomic = rdmap.encode_untagged(Opcode.ATOMIC_REQUEST, True, 1, 0, bytes(rdmap.ATOMIC_REQUEST_LEN))
+    assert segment.decode_untrusted(segment.encode(7, 8, atomic, flow_ack=1))[1] is not None
+
+
 def test_cm_envelope_uses_qpn_zero() -> None:
     assert envelope.encode(Kind.CM, envelope.CM_QPN, 0) == bytes.fromhex("02000000" "00000000")
 
 
 _kinds = st.sampled_from(sorted(Kind))
-# Flags exist on DDP messages only (IMM_FOLLOWS).
+_FLOW_ACK = int(envelope.Flags.FLOW_ACK)
+# Flags exist on DDP messages only (IMM_FOLLOWS, FLOW_ACK).
 envelopes = st.one_of(
     st.builds(Envelope, _kinds, u24, u24, st.just(0)),
-    st.builds(Envelope, st.just(Kind.DDP), u24, u24, st.just(int(envelope.Flags.IMM_FOLLOWS))),
+    st.builds(Envelope, st.just(Kind.DDP), u24, u24, st.sampled_from([1, 2, 3])),
 )
+#: the MSN of the FLOW_ACK trailer in the messages these tests build
+TRAILER_MSN = 0x89ABCDEF
 
 
 def _wire(e: Envelope, body: bytes = b"") -> bytes:
-    return envelope.encode(e.kind, e.dst_qpn, e.src_qpn, body, e.flags)
+    return envelope.encode(e.kind, e.dst_qpn, e.src_qpn, body, e.flags & ~_FLOW_ACK,
+                           TRAILER_MSN if e.flags & _FLOW_ACK else None)
 
 
-def _ref_envelope(data: bytes) -> tuple[Envelope, bytes]:
+def _ref_envelope(data: bytes) -> tuple[Envelope, bytes, int | None]:
     try:
         p = envelope.ENVELOPE.parse(data)
+        msn = envelope.FLOW_ACK_TRAILER.parse(data[-4:]).msn if p.flags & _FLOW_ACK and len(data) >= 12 else None
     except c.ConstructError as e:
         raise WireError("reference", str(e)) from None
-    if not 1 <= p.kind <= max(Kind):
+    if not 1 <= p.kind <= max(Kind) or p.flags & _FLOW_ACK and msn is None:
         raise WireError("reference")
-    return Envelope(p.kind, p.dst_qpn, p.src_qpn, p.flags), data[8:]
+    return Envelope(p.kind, p.dst_qpn, p.src_qpn, p.flags), data[8:len(data) - (4 if msn is not None else 0)], msn
 
 
-def _fast_envelope(data: bytes) -> tuple[Envelope, bytes]:
+def _fast_envelope(data: bytes) -> tuple[Envelope, bytes, int | None]:
     env, rest = envelope.decode_untrusted(data)
-    return env, bytes(rest)
+    return env, bytes(rest), envelope.flow_ack_msn(data) if env.flags & _FLOW_ACK else None
 
 
 @SETTINGS
 @given(envelopes, st.binary(max_size=16))
 def test_envelope_round_trip(env: Envelope, body: bytes) -> None:
     wire = _wire(env, body)
-    assert _fast_envelope(wire) == (env, body)
+    assert _fast_envelope(wire) == (env, body, TRAILER_MSN if env.flags & _FLOW_ACK else None)
     assert envelope.ENVELOPE.build(dict(kind=env.kind, dst_qpn=env.dst_qpn, src_qpn=env.src_qpn,
                                         flags=env.flags)) == wire[:8]
 
@@ -86,7 +120,9 @@ def test_envelope_fast_agrees_with_construct(data: bytes) -> None:
 @pytest.mark.parametrize(("data", "reason"), [
     (bytes.fromhex("00000102" "00abcdef"), "bad_kind"),
     (bytes.fromhex("06000102" "00abcdef"), "bad_kind"),
-    (bytes.fromhex("01000102" "02abcdef"), "bad_reserved"),  # no such flag
+    (bytes.fromhex("01000102" "04abcdef"), "bad_reserved"),  # no such flag
+    (bytes.fromhex("01000102" "02abcdef" "000000"), "truncated"),  # FLOW_ACK without its trailer
+    (bytes.fromhex("03000102" "02abcdef" "00000000"), "bad_reserved"),  # FLOW_ACK on a FLOW message
     (bytes.fromhex("01000102" "80abcdef"), "bad_reserved"),
     (bytes.fromhex("02000000" "01000000"), "bad_reserved"),  # IMM_FOLLOWS on a CM message
 ] + [(bytes.fromhex(ENVELOPE_HEX)[:n], "truncated") for n in range(8)])
@@ -106,14 +142,16 @@ def test_envelope_refuses_caller_mistakes() -> None:
 @SETTINGS
 @given(envelopes)
 def test_every_single_bit_flip_in_the_envelope_is_caught(env: Envelope) -> None:
-    assert_flips_detected(_wire(env), _fast_envelope, lambda v: tuple(v[0]))
+    # FLOW_ACK says where the message ends: its bit and the trailer are one field
+    assert_flips_detected(_wire(env), _fast_envelope, lambda v: (*v[0][:3], (v[0].flags, v[2])))
 
 
 # --- the fused receive path --------------------------------------------------
 
 
 def _body(env: Envelope, seg: tuple[TaggedHeader | UntaggedHeader, bytes]) -> bytes:
-    return segment.encode(env.dst_qpn, env.src_qpn, encode_segment(*seg), env.flags)
+    return segment.encode(env.dst_qpn, env.src_qpn, encode_segment(*seg), env.flags & ~_FLOW_ACK,
+                          TRAILER_MSN if env.flags & _FLOW_ACK else None)
 
 
 def _fast(data: bytes) -> tuple[Envelope, object, bytes]:
@@ -193,9 +231,10 @@ _OTHER_KINDS = {
 
 def _dispatch(data: bytes) -> tuple[object, ...]:
     env, header, view = segment.decode_untrusted(data)
+    # FLOW_ACK says where the segment ends: the flags and the payload are one field
     if header is None:
-        return (*env, _OTHER_KINDS[env.kind](view))
-    return (*env, *header, type(header), bytes(view))
+        return (*env[:3], (env.flags, _OTHER_KINDS[env.kind](view)))
+    return (*env[:3], (env.flags, bytes(view)), *header, type(header))
 
 
 @SETTINGS
