@@ -514,7 +514,8 @@ class QueuePair:
         # leaving alone at once, as TCP's delayed ACK waits for the reply.
         self.flow_answers = False
         self.flow_ack_hold: float | None = None
-        self.flow_ack_sent_at = float("-inf")  # when the last ACK left in a message of its own
+        # a Send before this time could have carried the ACK that last left alone
+        self.flow_answer_by = float("-inf")
         # the Write segment header packer for the current peer QP (segment.tagged_packer)
         self._write_packer: Any = None
         self._write_packer_dest = -1
@@ -910,7 +911,7 @@ class QueuePair:
                 self.flow_ack_hold = None
                 self.flow_answers = True
                 self.device.stats["flow_ack_carried"] += 1
-            elif self.device.now - self.flow_ack_sent_at <= self._flow_ack_delay_s():
+            elif self.device.now <= self.flow_answer_by:
                 self.flow_answers = True  # this Send could have carried the ACK that just left alone
         # A Send completes on the peer's Modified ACK, not on the link's ACK:
         # the link need not ask for one at once (the Modified ACK carries it).
@@ -961,18 +962,16 @@ class QueuePair:
                                        flow.encode(FlowMessage(ftype, msn & _U32, backoff_us))),
                        ack_now=ftype != FlowType.ACK)
 
-    def _flow_ack_delay_s(self) -> float:
-        return self.link.link.config.max_ack_delay_s if self.link is not None else 0.0
-
     def _send_flow_control(self) -> None:
         """Receiver side, once per pass: the cumulative ACK of accepted queue-0
         messages (unless it waits for our answer to carry it), and a RESUME
         once a receive is posted after an RNR NACK."""
         if self.flow_ack_due:
             now = self.device.now
+            delay = self.link.link.config.max_ack_delay_s if self.link is not None else 0.0
             if self.flow_answers:
                 if self.flow_ack_hold is None:
-                    self.flow_ack_hold = now + self._flow_ack_delay_s()
+                    self.flow_ack_hold = now + delay
                     self.device.flow_ack_holding.add(self)
                 elif now >= self.flow_ack_hold:
                     self.flow_answers = False  # no answer in time: ACK at once until one comes quickly again
@@ -980,7 +979,7 @@ class QueuePair:
             if not self.flow_answers:
                 self.flow_ack_due = False
                 self.flow_ack_hold = None
-                self.flow_ack_sent_at = now
+                self.flow_answer_by = now + delay
                 self._send_flow(FlowType.ACK, self.rx_msn)
         if self.rx_rnr and not self.rx_resume_sent:
             try:
