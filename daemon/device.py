@@ -156,6 +156,8 @@ DAEMON_MIN_RTO_S = 0.02
 _RX_BUF = 1 << 16
 _ERR = S.IBV_QPS_ERR
 _BY_RANK = operator.attrgetter("rank")
+_RNR_UNTIL = operator.attrgetter("rnr_until")
+_FLOW_ACK_HOLD = operator.attrgetter("flow_ack_hold")
 
 
 class QPTable(dict):  # type: ignore[type-arg]
@@ -1253,16 +1255,14 @@ class Device:
             d = pl.link.next_deadline()
             if d is not None and d < t:
                 t = d
-        for qp in list(self.rnr_waiting):
-            if qp.rnr_until is None or qp.state == S.IBV_QPS_ERR or self.qps.get(qp.qpn) is not qp:
-                self.rnr_waiting.discard(qp)
-            elif qp.rnr_until < t:
-                t = qp.rnr_until
-        for qp in list(self.flow_ack_holding):
-            if qp.flow_ack_hold is None or qp.state == S.IBV_QPS_ERR or self.qps.get(qp.qpn) is not qp:
-                self.flow_ack_holding.discard(qp)
-            elif qp.flow_ack_hold < t:
-                t = qp.flow_ack_hold
+        # QPs with a deadline of their own: a back-off after an RNR NACK, a held Modified ACK
+        for waiting, until in ((self.rnr_waiting, _RNR_UNTIL), (self.flow_ack_holding, _FLOW_ACK_HOLD)):
+            for qp in list(waiting):
+                d = until(qp)
+                if d is None or qp.state == S.IBV_QPS_ERR or self.qps.get(qp.qpn) is not qp:
+                    waiting.discard(qp)
+                elif d < t:
+                    t = d
         return t
 
     async def run_data_path(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
