@@ -1,15 +1,18 @@
-"""In-process latency passes: what each daemon pass of a 2-byte Write hop and of a 2-byte Read costs.
+"""In-process latency passes: what each daemon pass of a 2-byte Write hop, a Send hop and a Read costs.
 
 Not a test: the measurement behind the README's account of ``read_lat``
 against ``write_lat``.  Two Devices in one process, both loops turned by
 hand, one operation at a time: each phase turns one device's loop until
 the phase is done (a datagram left, the data landed, the Read completed)
 and times it, with no scheduler, applications or other processes in the
-way.  A Write hop is two passes (the sender's, the receiver's); a Read's
-round trip is three (the request's, the responder's, the requester's
-that places the response and completes the Read).
+way.  A Write hop is two passes (the sender's, the receiver's); a Send
+hop likewise, the receiver's taking a posted receive and writing its CQE
+(the two hosts Send in turn, as ``send_lat`` does, so each Send carries
+the Modified ACK of the one before it); a Read's round trip is three (the
+request's, the responder's, the requester's that places the response and
+completes the Read).
 
-    python -m tests.daemon.inprocess_lat [--iters 2000] [--reads-only] [--profile PHASE]
+    python -m tests.daemon.inprocess_lat [--iters 2000] [--reads-only | --sends-only] [--profile PHASE]
 
 ``--profile PHASE`` (one of the phase names printed) runs cProfile over
 that phase alone and prints its top functions by internal time.
@@ -30,7 +33,7 @@ from udpverbs.wire.shm import WrOpcode
 
 from .test_batching import Host, establish
 
-PHASES = ("write_send", "write_receive", "read_request", "read_respond", "read_complete")
+PHASES = ("write_send", "write_receive", "send_send", "send_receive", "read_request", "read_respond", "read_complete")
 #: phases with more passes than this have stopped making progress
 PASS_LIMIT = 20_000
 #: rounds before measuring (caches, first hints, the link's RTT estimate)
@@ -49,7 +52,7 @@ def _turn(host: Host, done: Callable[[], bool]) -> tuple[int, int]:
     return time.perf_counter_ns() - t0, passes
 
 
-async def main(iters: int, reads_only: bool, profile: str | None) -> None:
+async def main(iters: int, only: str | None, profile: str | None) -> None:
     a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
     prof = cProfile.Profile() if profile else None
     times: dict[str, list[int]] = {p: [] for p in PHASES}
@@ -75,8 +78,9 @@ async def main(iters: int, reads_only: bool, profile: str | None) -> None:
         b.connect(a)
         await establish(a, b)
         la, lb = a.qp.link.link, b.qp.link.link
-        for i in range(iters + WARMUP):
-            if not reads_only:
+        rounds = iters + WARMUP
+        for i in range(rounds if only != "sends" else 0):
+            if only is None:
                 marker = i % 255 + 1
                 a.mr.view[1] = marker
                 a.post_write(i, 0, 2, b, 64)
@@ -86,20 +90,44 @@ async def main(iters: int, reads_only: bool, profile: str | None) -> None:
                 settle()
                 if a.completions() != [(i, 0)]:
                     raise SystemExit(f"Write {i} did not complete alone")
-            a.post_write(iters + WARMUP + i, 128, 2, b, 256, opcode=WrOpcode.IBV_WR_RDMA_READ)
+            a.post_write(rounds + i, 128, 2, b, 256, opcode=WrOpcode.IBV_WR_RDMA_READ)
             sent, answered = la.stats.data_sent, lb.stats.data_sent
             phase("read_request", a, lambda: la.stats.data_sent > sent)
             phase("read_respond", b, lambda: lb.stats.data_sent > answered)
-            seen: list[tuple[int, int]] = []
+            done: list[tuple[int, int]] = []
 
             def completed() -> bool:
-                seen.extend(a.completions())
-                return bool(seen)
+                done.extend(a.completions())
+                return bool(done)
 
             phase("read_complete", a, completed)
-            if seen != [(iters + WARMUP + i, 0)]:
-                raise SystemExit(f"Read {i} completed as {seen}")
+            if done != [(rounds + i, 0)]:
+                raise SystemExit(f"Read {i} completed as {done}")
             settle()
+        # The Send ping-pong: each host answers as soon as it has received,
+        # with nothing in between, so each Send carries the Modified ACK of
+        # the one before it (as in send_lat, whose applications answer
+        # within the link's delayed-ACK time).
+        for i in range(rounds if only != "reads" else 0):
+            seen: list[tuple[int, int]] = []  # a's completions this round
+            for k, (src, dst, link) in enumerate(((a, b, la), (b, a, lb))):
+                recv_id, send_id = (4 + k) * rounds + i, (2 + k) * rounds + i
+                dst.post_recv(recv_id, 512, 64)
+                src.post_write(send_id, 0, 2, dst, 0, opcode=WrOpcode.IBV_WR_SEND)
+                sent = link.stats.data_sent
+                got: list[tuple[int, int]] = []
+
+                def received(dst: Host = dst, got: list[tuple[int, int]] = got, recv_id: int = recv_id) -> bool:
+                    new = dst.completions()
+                    got.extend(new)
+                    return bool(new) and (recv_id, 0) in got
+
+                phase("send_send", src, lambda: link.stats.data_sent > sent)
+                phase("send_receive", dst, received)
+                if dst is a:
+                    seen = got
+            if (2 * rounds + i, 0) not in seen:  # a's Send, carried by b's answer
+                raise SystemExit(f"Send {i} did not complete: {seen}")
         for name in PHASES:
             t = times[name][WARMUP:]
             if t:
@@ -115,7 +143,10 @@ async def main(iters: int, reads_only: bool, profile: str | None) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--reads-only", action="store_true", help="Reads alone, as read_lat runs them (no Write hint set)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--reads-only", dest="only", action="store_const", const="reads",
+                      help="Reads alone, as read_lat runs them (no Write hint set)")
+    only.add_argument("--sends-only", dest="only", action="store_const", const="sends", help="the Send ping-pong alone")
     p.add_argument("--profile", choices=PHASES, help="profile this phase (cProfile)")
     args = p.parse_args()
-    trio.run(main, args.iters, args.reads_only, args.profile)
+    trio.run(main, args.iters, args.only, args.profile)
