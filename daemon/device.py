@@ -110,13 +110,17 @@ _TURN_BUDGET = 256
 # The receive lane's control bytes: (DDP control of a segment that is not
 # the last, RDMAP control[, DDP control of the last])
 _WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
-# The lane never takes a Read Response's or a Send's last segment, so the
-# control byte of the others stands for both.  (A "matches nothing" value
-# would need care: 0, once used here, is a control byte the decoder refuses
-# and the lane then accepted.)
+# The lane never takes a Read Response's last segment (the Read completes
+# in Python), nor a Send with Invalidate's (the STag is invalidated there),
+# so the control byte of the others stands for both.  (A "matches nothing"
+# value would need care: 0, once used here, is a control byte the decoder
+# refuses and the lane then accepted.)  A plain Send's last segment ends the
+# lane's run, and ``_place_run`` completes its receive.
 _READ_RESPONSE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False),
                        rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)[0])
-_SEND_CTRL = {int(op): (ctrl, rctl, ctrl) for (op, last), (ctrl, rctl, _) in rdmap.UNTAGGED_CONTROL.items()
+_SEND_ENDS_IN_LANE = frozenset({int(Opcode.SEND), int(Opcode.SEND_SE)})
+_SEND_CTRL = {int(op): (ctrl, rctl, rdmap.UNTAGGED_CONTROL[op, True][0] if op in _SEND_ENDS_IN_LANE else ctrl)
+              for (op, last), (ctrl, rctl, _) in rdmap.UNTAGGED_CONTROL.items()
               if not last and op in _SEND_OPCODE.values()}
 #: requests the daemon answers by itself: no application waits on them, so
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
@@ -840,8 +844,9 @@ class Device:
         coalesced by GRO.
 
         While the peer streams an RDMA Write or Read Responses, runs of their
-        segments go to the compiled lane (``_place_run``), and so do the
-        middle segments of a Send.  The datagrams it does not take go
+        segments go to the compiled lane (``_place_run``), and so do Sends
+        (all of a plain Send's segments; a Send with Invalidate's but its
+        last).  The datagrams it does not take go
         through the link one by one, and whatever they deliver is dispatched
         at once: a later segment must not be placed before an earlier
         message has had its effect (a Send with Invalidate, say).
@@ -914,13 +919,16 @@ class Device:
             r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
             r.ctrl_more, r.rctl, r.ctrl_last = _READ_RESPONSE_CTRL
         elif op != _OP_WRITE:
-            recv = qp.rx_recv
-            gather = None if recv is None or qp.rx_imm_pending or qp.rx_rnr else recv[1]
+            # A receive under way, or the next posted one for a Send that
+            # starts here (taken from the ring only if the lane fills it).
+            recv = None if qp.rx_imm_pending or qp.rx_rnr else qp.rx_recv or qp.peek_receive()
+            gather = None if recv is None else recv[1]
             if gather is None or len(gather.pieces) != 1:
                 pl.rx_hint = None
                 return 0
             view, start, length = gather.pieces[0]
-            r.base, r.length, r.sequential, r.next_to = 0, length, 1, qp.rx_placed
+            r.base, r.length, r.sequential = 0, length, 1
+            r.next_to = 0 if recv is not qp.rx_recv else qp.rx_placed
             r.untagged, r.msn = 1, qp.rx_msn
             r.ctrl_more, r.rctl, r.ctrl_last = _SEND_CTRL[op]
         else:
@@ -960,7 +968,15 @@ class Device:
             elif op == _OP_READ_RESPONSE:
                 rd.placed += r.bytes
             else:
+                if recv is not qp.rx_recv:
+                    qp.take_receive(recv)
                 qp.rx_placed += r.bytes
+                if r.flow_ack:
+                    qp.on_flow_ack(r.flow_ack_msn)
+                if r.ended:
+                    qp.send_placed(op)
+                    self.stats["rx_native_sends"] += 1
+                    self.qp_changed(qp)  # a Modified ACK is owed
             self._delivered = True
             self.stats["rx_native_datagrams"] += k
         used = k * seg
@@ -1207,7 +1223,9 @@ class Device:
                         if self.native is not None:
                             if op == _OP_WRITE or op == _OP_READ_RESPONSE:
                                 pl.rx_hint = (qp, hdr.stag, op)
-                            elif op in _SEND_CTRL and not hdr.last and qp.rx_recv is not None:
+                            elif op in _SEND_CTRL and (qp.rx_recv is not None if not hdr.last
+                                                       else op in _SEND_ENDS_IN_LANE):
+                                # the rest of this Send, or the next one
                                 pl.rx_hint = (qp, hdr.inv_stag, op)
                 else:
                     qp.on_flow(payload)  # what it completes, the completion step reports

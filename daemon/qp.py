@@ -1155,12 +1155,8 @@ class QueuePair:
             self._terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, seglen,
                             layer=rdmap.TermLayer.DDP, etype=rdmap.DdpErrorType.UNTAGGED_BUFFER)
             return False
-        rq = self.recv_ring
-        try:
-            have = rq.available()
-        except shm.RingError:
-            have = 0
-        if not have:
+        recv = self.peek_receive()
+        if recv is None:
             # Receiver not ready (RHiNET/PM Modified ACK/NACK): NACK this MSN and
             # drop the rest of queue 0 until the sender comes back to it.  The
             # back-off hint is our min_rnr_timer, as an IB RNR NAK carries it.
@@ -1170,15 +1166,30 @@ class QueuePair:
             code = int(self.attrs["min_rnr_timer"])
             self._send_flow(FlowType.RNR_NACK, self.rx_msn, RNR_TIMER_US[code if 0 <= code < 32 else 0])
             return False
+        self.take_receive(recv)
+        return True
+
+    def peek_receive(self) -> tuple[int, _Gather | None] | None:
+        """The next posted receive, resolved but left in the ring: (wr_id,
+        gather; None if its SGEs are bad); None if none is posted."""
+        rq = self.recv_ring
+        try:
+            if not rq.available():
+                return None
+        except shm.RingError:
+            return None
         at = rq.slot_offset()
         wr_id, n = _RECV_WQE_HEAD.unpack_from(rq.buf, at)
-        gather = self._resolve(rq.buf, at + _RECV_SG_OFFSET, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
-        self.rx_recv = (wr_id, gather)
+        return wr_id, self._resolve(rq.buf, at + _RECV_SG_OFFSET, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
+
+    def take_receive(self, recv: tuple[int, _Gather | None]) -> None:
+        """Start the next queue-0 message in ``recv``, the receive
+        ``peek_receive`` returned just before: take it from the ring."""
+        self.rx_recv = recv
         self.rx_placed = 0
-        rq.pop()
+        self.recv_ring.pop()
         if self.srq is not None:
             self.srq.took_one()
-        return True
 
     def _finish_receive(self, status: int, opcode: int, byte_len: int, imm: int = 0, flags: int = 0,
                         solicited: bool = False) -> None:
@@ -1239,6 +1250,11 @@ class QueuePair:
             return
         self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed, inv if wc_flags else 0,
                              wc_flags, solicited=op == Opcode.SEND_SE or op == Opcode.SEND_SE_INVALIDATE)
+
+    def send_placed(self, op: int) -> None:
+        """The compiled lane placed the last segment of a plain Send (or
+        Send with Solicited Event) ``op``: its receive completes."""
+        self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed, solicited=op == Opcode.SEND_SE)
 
     def _on_immediate(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
         try:

@@ -1,6 +1,6 @@
 /* The compiled lanes for DDP segments (see wire/native.py): the receive
- * lane (RDMA Writes; Read Responses and the middle of Sends, in sequential
- * mode), and the send lane's body builder and framer further down.
+ * lane (RDMA Writes; Read Responses and Sends, in sequential mode), and
+ * the send lane's body builder and framer further down.
  *
  * The byte layouts here are the ones declared in wire/link.py (link header,
  * 28 B + CRC32c trailer), wire/envelope.py (8 B) and wire/rdmap.py (tagged
@@ -145,6 +145,8 @@ enum {
     UNTAGGED_PREFIX_LEN = 26, /* envelope 8 + untagged DDP header 18 */
     LINK_VERSION = 1,
     PTYPE_DATA = 1,
+    FLOW_ACK_FLAG = 0x02, /* wire/envelope.py Flags.FLOW_ACK */
+    FLOW_ACK_LEN = 4,
 };
 
 typedef struct {
@@ -177,15 +179,23 @@ typedef struct {
     uint32_t peeked;
     uint32_t next_w0, next_w1, next_stag;
     uint8_t next_ctrl, next_rctl;
+    /* untagged with ctrl_last apart from ctrl_more: the run took a Send's
+       last segment and stopped there (the caller completes the receive
+       before anything later is placed); if that segment's envelope had
+       FLOW_ACK, its trailer's Modified ACK MSN */
+    uint32_t ended, flow_ack, flow_ack_msn;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem) {
     size_t k = 0, off = 0;
     uint32_t seq = r->seq;
     size_t prefix = r->untagged ? UNTAGGED_PREFIX_LEN : TAGGED_PREFIX_LEN;
+    int takes_last_send = r->untagged && r->ctrl_last != r->ctrl_more;
     r->bytes = 0;
     r->flags_or = 0;
     r->peeked = 0;
+    r->ended = 0;
+    r->flow_ack = 0;
     if (seg == 0) return 0;
     while (off < len && k < r->max_count) {
         size_t n = len - off < seg ? len - off : seg;
@@ -200,7 +210,11 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
            repeat it, or it moves and the Python path takes that packet) */
         if (k && ack != r->first_ack) break;
         const uint8_t *e = p + LINK_HEADER_LEN;
-        if (be32(e) != r->w0 || be32(e + 4) != r->w1 || e[9] != r->rctl ||
+        /* the one envelope flag taken: a Send's last segment may carry a
+           Modified ACK in a trailer */
+        int ends = takes_last_send && e[8] == r->ctrl_last;
+        int carries = ends && be32(e + 4) == (r->w1 | (uint32_t)FLOW_ACK_FLAG << 24);
+        if (be32(e) != r->w0 || (be32(e + 4) != r->w1 && !carries) || e[9] != r->rctl ||
             (e[8] != r->ctrl_more && e[8] != r->ctrl_last) || be32(e + 10) != r->stag) {
             r->peeked = 1;
             r->next_w0 = be32(e);
@@ -218,6 +232,10 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
             to = be64(e + 14); /* TO */
         }
         size_t plen = n - CRC_LEN - LINK_HEADER_LEN - prefix;
+        if (carries) {
+            if (plen < FLOW_ACK_LEN) break;
+            plen -= FLOW_ACK_LEN;
+        }
         if (to < r->base) break;
         if (r->sequential && to != r->next_to) break;
         uint64_t o = to - r->base;
@@ -238,6 +256,12 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         seq++;
         k++;
         off += n;
+        if (ends) {
+            r->ended = 1;
+            r->flow_ack = carries;
+            if (carries) r->flow_ack_msn = be32(e + prefix + plen);
+            break;
+        }
     }
     return k;
 }

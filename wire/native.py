@@ -17,11 +17,15 @@ link then applies the run's bookkeeping in one step
 both paths leave the same bytes in memory and the same link state.  Read
 Responses take the same lane into the sink of the Read at the ORRQ head, with
 ``sequential`` set (each segment must start where the last ended) and never
-their last segment (the Python path completes the Read).  So do a Send's
-middle segments (``untagged``: queue 0, the MSN of the message under way, the
-message offset sequential) into the one-SGE receive its first segment took;
-the first (which takes the receive) and the last (completion, Invalidate,
-Immediate Data) stay in Python.
+their last segment (the Python path completes the Read).  So do Sends
+(``untagged``: queue 0, the MSN of the message, the message offset
+sequential) into a one-SGE receive: the one under way, or the next posted
+one, which the daemon takes from the ring only if the lane placed the first
+segment there.  A plain Send's last segment ends the run (``ended``), with
+the Modified ACK its envelope may carry (``flow_ack``, ``flow_ack_msn``),
+and the daemon completes the receive before anything later is placed; a
+Send with Invalidate's last segment (the STag is invalidated first) and
+Immediate Data stay in Python.
 
 The send lane is the mirror image, in two steps that keep the link's
 decisions where they are.  ``udpv_tx_bodies`` builds the bodies of a run of
@@ -88,6 +92,7 @@ typedef struct {
     uint32_t peeked;
     uint32_t next_w0, next_w1, next_stag;
     uint8_t next_ctrl, next_rctl;
+    uint32_t ended, flow_ack, flow_ack_msn;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem);

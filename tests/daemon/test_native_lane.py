@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from udpverbs.wire import link as wire_link, native, rdmap, segment
+from udpverbs.wire import link as wire_link, native, rdmap, segment, shm
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import QPState as S, WrOpcode
 
@@ -129,6 +129,15 @@ def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[byte
     return link.datagrams_to_send(now, clock)
 
 
+def _cqes(host: Host) -> list[tuple[int, ...]]:
+    """The CQEs ``host``'s CQ holds, every field, taken off the ring."""
+    ring, out = host.cq.ring, []
+    while ring.available():
+        out.append(shm.CQE.unpack_from(ring.buf, ring.slot_offset()))
+        ring.pop()
+    return out
+
+
 def _link_state(pl: object) -> tuple[object, ...]:
     link = pl.link  # type: ignore[attr-defined]
     return (link.rcv_nxt, link.peer_rwnd, link._last_ack_field, link._last_rx_ts, link._ack_now, link._ack_count,
@@ -138,18 +147,20 @@ def _link_state(pl: object) -> tuple[object, ...]:
 @contextlib.contextmanager
 def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: int = 0,
          gro: float = 0.7, reply_len: int = 30_000, reads: int = 0,
-         forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None) -> Iterator[tuple[Host, Host]]:
+         forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None,
+         answers: int = 0) -> Iterator[tuple[Host, Host]]:
     """A writes ``writes`` to both receivers, which write ``replies`` Writes back (so
     the ACK field of A's datagrams moves while A's own Writes stream) and post
     ``reads`` RDMA Reads of A's memory (whose Read Responses the lane places
-    too; ``forge_to`` moves the tagged offset of the tenth one by that much);
-    then A Sends ``sends`` (see ``_post_sends``); yields A and the receiver
-    with the lane."""
+    too; ``forge_to`` moves the tagged offset of the tenth one by that much)
+    and Send A ``answers`` short messages (whose Modified ACKs A's later
+    Sends carry); then A Sends ``sends`` (see ``_post_sends``); yields A and
+    the receiver with the lane."""
     hosts = [Host("127.0.0.2", gso=False), Host("127.0.0.3", gso=False, native=True),
              Host("127.0.0.3", gso=False, native=False)]  # the same seed: same tags, ISNs, STags
     try:
         yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len, reads, forge_to,
-                        sends or [])
+                        sends or [], answers)
     finally:
         for h in hosts:
             h.close()
@@ -181,15 +192,14 @@ def _send_source(i: int) -> int:
 
 
 def _post_sends(a: Host, receivers: tuple[Host, Host], first_wr_id: int,
-                sends: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    """A posts a Send per ``(length, kind)`` in ``sends``, the i-th from
+                sends: list[tuple[int, str]], first: int, late: list[tuple[int, int]]) -> None:
+    """A posts a Send per ``(length, kind)`` in ``sends[first:]``, the i-th from
     ``_send_source(i)``: kind "ok", "imm" (with Immediate Data), "inv"
     (invalidating a spare region of the receiver's), "too_long" (the
     receive holds half of it) or "late" (its receive, and all later ones,
-    come after the sender's first try, which is NACKed).  The receivers post the receives that are not late; returns
-    those that are, as ``(offset, length)``, for the caller to post."""
-    late: list[tuple[int, int]] = []
-    for i, (length, kind) in enumerate(sends):
+    come after the sender's first try, which is NACKed).  The receivers post the receives that are not late;
+    those that are go to ``late``, as ``(offset, length)``, for the caller to post."""
+    for i, (length, kind) in enumerate(sends[first:], first):
         assert length < _RECV_STRIDE and i < Host.QP_CAPS["max_recv_wr"]
         at, room = _RECV_AT + i * _RECV_STRIDE, length // 2 if kind == "too_long" else length
         imm = 0x5EED
@@ -203,12 +213,12 @@ def _post_sends(a: Host, receivers: tuple[Host, Host], first_wr_id: int,
             for h in receivers:
                 h.post_recv(300 + i, at, room)
         a.post_write(first_wr_id + i, _send_source(i), length, receivers[0], 0, opcode=_SEND_KIND[kind], imm=imm)
-    return late
 
 
 def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[tuple[int, int, str]],
               loss: float, replies: int, gro: float, reply_len: int, reads: int = 0,
-              forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None) -> tuple[Host, Host]:
+              forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None,
+              answers: int = 0) -> tuple[Host, Host]:
     assert fast.dev.native is not None and slow.dev.native is None
     clock, pa, pf, ps = _twins(a, fast, slow)
     a.mr.view[:] = rng.randbytes(MR_LEN)
@@ -222,17 +232,33 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         for h in (fast, slow):
             h.post_write(200 + i, dst, length, a, src, opcode=WrOpcode.IBV_WR_RDMA_READ)
     replies += reads
+    for i in range(answers):  # into A's memory past where the receivers' replies land
+        at = MR_LEN - (i + 1) * 4096
+        a.post_recv(500 + i, at, 4096)
+        length = rng.randrange(1, 1000)
+        for h in (fast, slow):
+            h.post_write(600 + i, 4096 * i, length, a, 0, opcode=WrOpcode.IBV_WR_SEND)
+    replies += answers
     for i, (length, dst, kind) in enumerate(writes):
         rkey = fast.mr.stag + (1 << 8) if kind == "bad_stag" else None
         if kind == "past_end":
             dst = MR_LEN - length // 2 - 1
         a.post_write(i, 0, length, fast, dst, rkey=rkey)
     sends = sends or []
-    late = _post_sends(a, (fast, slow), len(writes), sends)
+    late: list[tuple[int, int]] = []
     replies += len(sends)  # each receive completes, well or not
     done: list[tuple[int, int]] = []
     held: list[bytes] = []
+    # With answers, the second half of the Sends goes after they have
+    # reached A, which then owes a Modified ACK, and the first of them
+    # carries it (into the lane, if the Send before it set the hint).
+    half = len(sends) // 2 if answers else len(sends)
+    _post_sends(a, (fast, slow), len(writes), sends[:half], 0, late)
+    first_msn, posted = a.qp.rx_msn, half == len(sends)
     for step in range(4000):
+        if not posted and (a.qp.rx_msn - first_msn >= answers or step >= 100):
+            _post_sends(a, (fast, slow), len(writes), sends, half, late)
+            posted = True
         if step == 100:
             for at, room in late:
                 for h in (fast, slow):
@@ -253,10 +279,10 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         assert _link_state(pf) == _link_state(ps)
         _receive(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
         done += a.completions()
-        replied = fast.completions()
-        assert replied == slow.completions()
+        replied = _cqes(fast)
+        assert replied == _cqes(slow)  # every field: byte_len, flags, solicited...
         replies -= len(replied)
-        if len(done) == len(writes) + len(sends) and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
+        if len(done) == len(writes) + len(sends) + answers and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
             break
     # both receivers ran the same datagrams to the same end
     assert bytes(fast.mr.view) == bytes(slow.mr.view)
@@ -264,9 +290,9 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
     assert pf.link.rcv_nxt == ps.link.rcv_nxt
     assert fast.qp.state == slow.qp.state and fast.qp.rx_write_bytes == slow.qp.rx_write_bytes
     assert (fast.qp.rx_msn, fast.qp.rx_placed) == (slow.qp.rx_msn, slow.qp.rx_placed)
-    lane = fast.dev.stats.pop("rx_native_datagrams", 0)
+    lane = {k: fast.dev.stats.pop(k, 0) for k in ("rx_native_datagrams", "rx_native_sends")}
     assert +fast.dev.stats == +slow.dev.stats
-    fast.dev.stats["rx_native_datagrams"] = lane
+    fast.dev.stats.update(lane)
     return a, fast
 
 
@@ -274,16 +300,19 @@ _WRITE = st.tuples(st.integers(0, 40_000), st.integers(0, MR_LEN - 40_000),
                    st.sampled_from(["ok"] * 8 + ["bad_stag", "past_end"]))
 
 
-_SEND = st.tuples(st.integers(1, 60_000), st.sampled_from(["ok", "ok", "imm", "inv", "too_long", "late"]))
+#: one segment (which may carry a Modified ACK) or many
+_SEND = st.tuples(st.one_of(st.integers(0, 1400), st.integers(1, 60_000)),
+                  st.sampled_from(["ok", "ok", "imm", "inv", "too_long", "late"]))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), writes=st.lists(_WRITE, min_size=1, max_size=5),
        loss=st.sampled_from([0.0, 0.02, 0.1]), replies=st.integers(0, 3), reads=st.integers(0, 2),
-       sends=st.lists(_SEND, max_size=3))
+       sends=st.lists(_SEND, max_size=4), answers=st.integers(0, 2))
 def test_the_lane_and_the_python_path_agree(seed: int, writes: list[tuple[int, int, str]], loss: float,
-                                            replies: int, reads: int, sends: list[tuple[int, str]]) -> None:
-    with _run(seed, writes, loss, replies, reads=reads, sends=sends):
+                                            replies: int, reads: int, sends: list[tuple[int, str]],
+                                            answers: int) -> None:
+    with _run(seed, writes, loss, replies, reads=reads, sends=sends, answers=answers):
         pass
 
 
@@ -436,3 +465,17 @@ def test_a_read_whose_sink_is_deregistered_midway_costs_the_daemon_nothing(nativ
     finally:
         a.close()
         req.close()
+
+
+def test_single_segment_sends_and_the_acks_they_carry_go_through_the_lane() -> None:
+    # The first Send goes the Python way (the hint is the Writes') and points
+    # the lane at Sends; the rest leave after the receivers' answer has
+    # reached A, and the first of them carries A's Modified ACK for it.
+    sends = [(100, "ok"), (0, "ok"), (1000, "ok"), (1400, "ok")]
+    with _run(29, [(40_000, 0, "ok")], 0.0, sends=sends, answers=1) as (a, fast):
+        assert a.dev.stats["flow_ack_carried"] == 1
+        assert fast.dev.stats["rx_native_sends"] == 2  # not the first, nor the one with no room
+        assert not fast.qp.outstanding  # the carried ACK completed the answer
+        for i, (length, _) in enumerate(sends):
+            at, src = _RECV_AT + i * _RECV_STRIDE, _send_source(i)
+            assert bytes(fast.mr.view[at:at + length]) == bytes(a.mr.view[src:src + length])

@@ -17,6 +17,7 @@ from udpverbs.verbs.enums import (
     IBV_WC_WITH_IMM,
     IBV_WC_WITH_INV,
     IBV_WR_RDMA_WRITE,
+    IBV_WR_SEND,
     IBV_WR_SEND_WITH_IMM,
     IBV_WR_SEND_WITH_INV,
 )
@@ -97,7 +98,18 @@ def test_send_with_solicited_event_and_invalidate(daemons) -> None:
         assert ch.get_cq_event(timeout=10) is cq
         n, (rwc, *_) = cq.poll(4)
         assert n == 1 and (rwc.wr_id, rwc.imm_data) == (2, 7) and rwc.wc_flags & IBV_WC_WITH_IMM
-        assert [w.status for w in a.cq.poll_blocking(2, timeout=10)] == [IBV_WC_SUCCESS] * 2
+        # Plain Sends with SE, one after the other: the daemon's compiled
+        # lane takes the second (the first points it at such Sends), and
+        # each wakes the CQ.
+        for wr_id in (3, 4):
+            _recv(b, qb, wr_id)
+            cq.req_notify(solicited_only=True)
+            a.qp.post_send(verbs.SendWR(wr_id=wr_id, opcode=IBV_WR_SEND, sg=[verbs.SGE(a.mr.buf, 8, a.mr.lkey)],
+                                        send_flags=IBV_SEND_SIGNALED | IBV_SEND_SOLICITED))
+            assert ch.get_cq_event(timeout=10) is cq
+            n, (rwc, *_) = cq.poll(4)
+            assert n == 1 and (rwc.wr_id, rwc.status, rwc.byte_len) == (wr_id, IBV_WC_SUCCESS, 8)
+        assert [w.status for w in a.cq.poll_blocking(4, timeout=10)] == [IBV_WC_SUCCESS] * 4
     finally:
         a.close()
         b.close()

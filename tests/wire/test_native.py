@@ -1,9 +1,9 @@
 """The compiled receive lane's contract, datagram by datagram.
 
 ``udpv_rx_write_run`` places a run of in-order RDMA Write segments (or, in
-sequential mode, Read Response segments, or untagged, a Send's middle
-segments) and stops at the first datagram that is not one (which the Python
-path then handles).
+sequential mode, Read Response segments, or untagged, a Send's segments up
+to its last, with the Modified ACK its last may carry) and stops at the
+first datagram that is not one (which the Python path then handles).
 Datagrams here are built with the shipped encoders (``link.encode_fields``,
 ``segment.pack_tagged_into``); each case spoils one field of the third and
 expects the run to end before it, with nothing of it written.  That the lane
@@ -50,17 +50,18 @@ def _datagram(i: int, *, ptype: int = PacketType.DATA, tag: int = TAG, seq_off: 
 
 
 def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
-         next_to: int | None = None, send: bool = False, length: int = LENGTH) -> tuple[int, object, bytearray]:
+         next_to: int | None = None, send: bool = False, length: int = LENGTH,
+         send_op: int = Opcode.SEND) -> tuple[int, object, bytearray]:
     """Run the lane over ``datagrams``; with ``next_to``, in sequential mode
-    from that offset; with ``send``, untagged: the middle of a plain Send of
-    MSN ``MSN`` into a receive of ``length`` bytes (as daemon/device.py sets it up)."""
+    from that offset; with ``send``, untagged: a Send (``send_op``) of MSN
+    ``MSN`` into a receive of ``length`` bytes (as daemon/device.py sets it up)."""
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     r = ffi.new("udpv_rx_run *")
     r.conn_tag, r.seq, r.max_count = TAG, ISN, max_count
     r.w0, r.w1 = (1 << 24) | QPN, PEER_QPN
     if send:
-        r.ctrl_more, r.rctl, r.ctrl_last = device._SEND_CTRL[Opcode.SEND]
+        r.ctrl_more, r.rctl, r.ctrl_last = device._SEND_CTRL[send_op]
         r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
         next_to = next_to or 0
     else:
@@ -168,10 +169,12 @@ MSN = 3
 
 
 def _send_datagram(i: int, *, opcode: int = Opcode.SEND, msn: int = MSN, mo: int | None = None, last: bool = False,
-                   flags: int = 0) -> bytes:
+                   flags: int = 0, inv_stag: int = 0, payload: int = PAYLOAD, trailer: bytes = b"",
+                   fill: int | None = None) -> bytes:
     body = bytearray(segment.UNTAGGED_PREFIX_LEN)
-    segment.pack_untagged_into(body, 0, QPN, PEER_QPN, opcode, last, msn, i * PAYLOAD if mo is None else mo, 0, flags)
-    body += bytes([i]) * PAYLOAD
+    segment.pack_untagged_into(body, 0, QPN, PEER_QPN, opcode, last, msn, i * PAYLOAD if mo is None else mo, inv_stag,
+                               flags)
+    body += bytes([i if fill is None else fill]) * payload + trailer
     return link.encode_fields(PacketType.DATA, 0, 0, TAG, ISN + i, ACK, 1000 + i, 500 + i, 200 - i, body)
 
 
@@ -185,7 +188,6 @@ def _respoil(d: bytes, change: Callable[[bytearray], None]) -> bytes:
 
 
 SEND_SPOILERS: dict[str, Callable[[], bytes]] = {
-    "last segment": lambda: _send_datagram(2, last=True),
     "other msn": lambda: _send_datagram(2, msn=MSN + 1),
     "queue 1": lambda: _respoil(_send_datagram(2), lambda b: b.__setitem__(slice(14, 18), b"\0\0\0\1")),
     "an invalidate stag": lambda: _respoil(_send_datagram(2), lambda b: b.__setitem__(slice(10, 14), b"\0\0\1\0")),
@@ -193,6 +195,7 @@ SEND_SPOILERS: dict[str, Callable[[], bytes]] = {
     "mo step back": lambda: _send_datagram(2, mo=PAYLOAD),
     "solicited": lambda: _send_datagram(2, opcode=Opcode.SEND_SE),
     "immediate data follows": lambda: _send_datagram(2, flags=1),
+    "a modified ack on a middle segment": lambda: _send_datagram(2, flags=_FLOW_ACK, trailer=b"\0\0\0\1"),
     "ddp control zero": lambda: _respoil(_send_datagram(2), lambda b: b.__setitem__(8, 0)),
     "tagged": lambda: _datagram(2),
     "too short": lambda: _send_datagram(2)[:link.HEADER_LEN + segment.UNTAGGED_PREFIX_LEN + 3],
@@ -215,6 +218,42 @@ def test_a_send_run_stops_before_a_segment_it_does_not_recognise(spoil: str) -> 
         assert k == 2 and not any(mem[2 * PAYLOAD:])
     k, _, mem = _run([bad], send=True, next_to=2 * PAYLOAD)
     assert k == 0 and not any(mem)
+
+
+_FLOW_ACK = 0x02  # wire/envelope.py Flags.FLOW_ACK
+
+
+def test_a_send_s_last_segment_is_placed_and_ends_the_run() -> None:
+    # what follows it (the next Send) waits for the Python path to complete the receive
+    ds = [_send_datagram(0), _send_datagram(1), _send_datagram(2, last=True), _send_datagram(0, msn=MSN + 1)]
+    k, r, mem = _run(ds, send=True)
+    assert k == 3 and r.ended == 1 and r.flow_ack == 0 and r.bytes == 3 * PAYLOAD
+    assert bytes(mem[:3 * PAYLOAD]) == b"".join(bytes([i]) * PAYLOAD for i in range(3)) and not any(mem[3 * PAYLOAD:])
+    k, r, _ = _run(ds[:2], send=True)
+    assert k == 2 and r.ended == 0
+
+
+def test_a_modified_ack_on_a_send_s_last_segment_is_reported_not_placed() -> None:
+    d = _send_datagram(0, opcode=Opcode.SEND_SE, last=True, flags=_FLOW_ACK, payload=7, fill=9,
+                       trailer=(0xFEEDF00D).to_bytes(4, "big"))
+    k, r, mem = _run([d], send=True, send_op=Opcode.SEND_SE)
+    assert k == 1 and r.ended == 1 and r.flow_ack == 1 and r.flow_ack_msn == 0xFEEDF00D
+    assert r.bytes == 7 and bytes(mem[:7]) == b"\x09" * 7 and not any(mem[7:])
+    # a single-segment Send of 0 bytes carries the ACK alone
+    k, r, _ = _run([_send_datagram(0, last=True, flags=_FLOW_ACK, payload=0, trailer=b"\0\0\0\5")], send=True)
+    assert k == 1 and r.bytes == 0 and r.flow_ack_msn == 5
+
+
+@pytest.mark.parametrize("bad", ["no room for the trailer", "immediate data follows too", "invalidate"])
+def test_a_send_s_last_segment_the_lane_does_not_complete_stays_out(bad: str) -> None:
+    if bad == "no room for the trailer":
+        d, op = _send_datagram(2, last=True, flags=_FLOW_ACK, payload=3), Opcode.SEND
+    elif bad == "immediate data follows too":
+        d, op = _send_datagram(2, last=True, flags=_FLOW_ACK | 1, trailer=bytes(4)), Opcode.SEND
+    else:  # the STag is invalidated in Python before the receive completes
+        d, op = _send_datagram(2, last=True, opcode=Opcode.SEND_INVALIDATE), Opcode.SEND_INVALIDATE
+    k, r, mem = _run([d], send=True, send_op=op, next_to=2 * PAYLOAD)
+    assert k == 0 and r.ended == 0 and not any(mem)
 
 
 def test_a_send_longer_than_its_receive_ends_the_run() -> None:
