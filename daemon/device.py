@@ -110,14 +110,14 @@ _TURN_BUDGET = 256
 # The receive lane's control bytes: (DDP control of a segment that is not
 # the last, RDMAP control[, DDP control of the last])
 _WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
-# The lane never takes a Read Response's last segment (the Read completes
-# in Python), nor a Send with Invalidate's (the STag is invalidated there),
-# so the control byte of the others stands for both.  (A "matches nothing"
-# value would need care: 0, once used here, is a control byte the decoder
-# refuses and the lane then accepted.)  A plain Send's last segment ends the
-# lane's run, and ``_place_run`` completes its receive.
+# The lane never takes a Send with Invalidate's last segment (the STag is
+# invalidated in Python before the receive completes), so the control byte
+# of the others stands for both.  (A "matches nothing" value would need
+# care: 0, once used here, is a control byte the decoder refuses and the
+# lane then accepted.)  A plain Send's or a Read Response's last segment
+# ends the lane's run, and ``_place_run`` completes the receive or the Read.
 _READ_RESPONSE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False),
-                       rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)[0])
+                       rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, True)[0])
 _SEND_ENDS_IN_LANE = frozenset({int(Opcode.SEND), int(Opcode.SEND_SE)})
 _SEND_CTRL = {int(op): (ctrl, rctl, rdmap.UNTAGGED_CONTROL[op, True][0] if op in _SEND_ENDS_IN_LANE else ctrl)
               for (op, last), (ctrl, rctl, _) in rdmap.UNTAGGED_CONTROL.items()
@@ -908,13 +908,17 @@ class Device:
             return 0
         r = self._rx_run
         r.untagged = 0
+        r.last_ends = op != _OP_WRITE
         if op == _OP_READ_RESPONSE:
-            # Read Responses into the ORRQ head's sink, in order, and not its
-            # last segment: the Python path completes the Read.
+            # Read Responses into the ORRQ head's sink, in order; the last
+            # one (which must fill the sink) ends the run.  Each Read has a
+            # sink STag of its own: the lane expects the head's, not the
+            # hint's (the Read before it).
             rd = qp.orrq[0] if qp.orrq else None
-            if type(rd) is not _PendingRead or rd.wr.sink_stag != stag or len(rd.gather.pieces) != 1:
+            if type(rd) is not _PendingRead or len(rd.gather.pieces) != 1:
                 pl.rx_hint = None
                 return 0
+            stag = rd.wr.sink_stag
             view, start, _ = rd.gather.pieces[0]
             r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
             r.ctrl_more, r.rctl, r.ctrl_last = _READ_RESPONSE_CTRL
@@ -967,6 +971,11 @@ class Device:
                 qp.rx_write_bytes += r.bytes
             elif op == _OP_READ_RESPONSE:
                 rd.placed += r.bytes
+                if r.ended:
+                    qp.orrq.popleft()
+                    rd.wr.done = True
+                    self.stats["rx_native_reads"] += 1
+                    self.qp_changed(qp)  # the Read completes
             else:
                 if recv is not qp.rx_recv:
                     qp.take_receive(recv)

@@ -179,10 +179,12 @@ typedef struct {
     uint32_t peeked;
     uint32_t next_w0, next_w1, next_stag;
     uint8_t next_ctrl, next_rctl;
-    /* untagged with ctrl_last apart from ctrl_more: the run took a Send's
-       last segment and stopped there (the caller completes the receive
-       before anything later is placed); if that segment's envelope had
-       FLOW_ACK, its trailer's Modified ACK MSN */
+    /* last_ends (Sends, Read Responses): a message's last segment ends the
+       run (`ended`), so that the caller completes the receive or the Read
+       before anything later is placed; a Read Response's last must fill the
+       sink (`length`) exactly.  If a Send's last segment had FLOW_ACK in its
+       envelope, its trailer's Modified ACK MSN */
+    uint32_t last_ends;
     uint32_t ended, flow_ack, flow_ack_msn;
 } udpv_rx_run;
 
@@ -190,7 +192,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
     size_t k = 0, off = 0;
     uint32_t seq = r->seq;
     size_t prefix = r->untagged ? UNTAGGED_PREFIX_LEN : TAGGED_PREFIX_LEN;
-    int takes_last_send = r->untagged && r->ctrl_last != r->ctrl_more;
+    int takes_last = r->last_ends && r->ctrl_last != r->ctrl_more;
     r->bytes = 0;
     r->flags_or = 0;
     r->peeked = 0;
@@ -212,8 +214,8 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         const uint8_t *e = p + LINK_HEADER_LEN;
         /* the one envelope flag taken: a Send's last segment may carry a
            Modified ACK in a trailer */
-        int ends = takes_last_send && e[8] == r->ctrl_last;
-        int carries = ends && be32(e + 4) == (r->w1 | (uint32_t)FLOW_ACK_FLAG << 24);
+        int ends = takes_last && e[8] == r->ctrl_last;
+        int carries = ends && r->untagged && be32(e + 4) == (r->w1 | (uint32_t)FLOW_ACK_FLAG << 24);
         if (be32(e) != r->w0 || (be32(e + 4) != r->w1 && !carries) || e[9] != r->rctl ||
             (e[8] != r->ctrl_more && e[8] != r->ctrl_last) || be32(e + 10) != r->stag) {
             r->peeked = 1;
@@ -240,6 +242,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         if (r->sequential && to != r->next_to) break;
         uint64_t o = to - r->base;
         if (o > r->length || plen > r->length - o) break;
+        if (ends && !r->untagged && plen != r->length - o) break; /* a Read's last response ends short */
         memcpy(mem + o, e + prefix, plen);
         if (k == 0) {
             r->first_ack = ack;

@@ -15,17 +15,18 @@ handles that one, so the C code never produces an error or a Terminate; the
 link then applies the run's bookkeeping in one step
 (``Link.data_run_received``).  ``tests/wire/test_native.py`` proves that
 both paths leave the same bytes in memory and the same link state.  Read
-Responses take the same lane into the sink of the Read at the ORRQ head, with
-``sequential`` set (each segment must start where the last ended) and never
-their last segment (the Python path completes the Read).  So do Sends
-(``untagged``: queue 0, the MSN of the message, the message offset
-sequential) into a one-SGE receive: the one under way, or the next posted
-one, which the daemon takes from the ring only if the lane placed the first
-segment there.  A plain Send's last segment ends the run (``ended``), with
-the Modified ACK its envelope may carry (``flow_ack``, ``flow_ack_msn``),
-and the daemon completes the receive before anything later is placed; a
-Send with Invalidate's last segment (the STag is invalidated first) and
-Immediate Data stay in Python.
+Responses take the same lane into the sink of the Read at the ORRQ head (its
+sink STag, whatever Read set the hint), with ``sequential`` set (each
+segment must start where the last ended).  So do Sends (``untagged``: queue
+0, the MSN of the message, the message offset sequential) into a one-SGE
+receive: the one under way, or the next posted one, which the daemon takes
+from the ring only if the lane placed the first segment there.  With
+``last_ends``, a message's last segment ends the run (``ended``), and the
+daemon completes the Read or the receive before anything later is placed;
+a Read's last response must fill its sink, and a Send's may carry a
+Modified ACK (``flow_ack``, ``flow_ack_msn``).  A Send with Invalidate's
+last segment (the STag is invalidated first) and Immediate Data stay in
+Python.
 
 The send lane is the mirror image, in two steps that keep the link's
 decisions where they are.  ``udpv_tx_bodies`` builds the bodies of a run of
@@ -92,6 +93,7 @@ typedef struct {
     uint32_t peeked;
     uint32_t next_w0, next_w1, next_stag;
     uint8_t next_ctrl, next_rctl;
+    uint32_t last_ends;
     uint32_t ended, flow_ack, flow_ack_msn;
 } udpv_rx_run;
 

@@ -1,7 +1,7 @@
 """In-process latency passes: what each daemon pass of a 2-byte Write hop, a Send hop and a Read costs.
 
 Not a test: the measurement behind the README's account of ``read_lat``
-against ``write_lat``.  Two Devices in one process, both loops turned by
+and ``send_lat`` against ``write_lat``.  Two Devices in one process, both loops turned by
 hand, one operation at a time: each phase turns one device's loop until
 the phase is done (a datagram left, the data landed, the Read completed)
 and times it, with no scheduler, applications or other processes in the
@@ -15,7 +15,11 @@ completes the Read).
     python -m tests.daemon.inprocess_lat [--iters 2000] [--reads-only | --sends-only] [--profile PHASE]
 
 ``--profile PHASE`` (one of the phase names printed) runs cProfile over
-that phase alone and prints its top functions by internal time.
+that phase alone and prints its top functions by internal time.  Under
+cProfile the Send phases run past the 200 µs a receiver holds its Modified
+ACK for the answer, so the ACKs then leave alone and the profile shows a
+different protocol: sample those with ``py-spy`` instead (the performance
+history's twentieth round).
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ without, get the same datagrams from one sender: in order, lost, duplicated,
 swapped, corrupted, coalesced into GRO buffers or not, for Writes that place
 and Writes that must end in a Terminate (unknown STag, past the region's
 end), Read Responses, and Sends (plain, with Immediate Data, with
-Invalidate, longer than their receive, or waiting out an RNR NACK).  After
-every step they must answer the sender with the same bytes, and at the end
-hold the same memory, counters and QP state.  The clock is a
+Invalidate, longer than their receive, or waiting out an RNR NACK; of one
+segment or many; some carrying a Modified ACK for the receivers' own
+Sends).  After every step they must answer the sender with the same bytes
+and write the same CQEs, and at the end hold the same memory, counters and
+QP state.  The clock is a
 number advanced by hand and the datagrams are carried by the test, so
 nothing depends on scheduling.
 """
@@ -232,7 +234,7 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         for h in (fast, slow):
             h.post_write(200 + i, dst, length, a, src, opcode=WrOpcode.IBV_WR_RDMA_READ)
     replies += reads
-    for i in range(answers):  # into A's memory past where the receivers' replies land
+    for i in range(answers):  # into the top of A's memory (only the receivers' is compared)
         at = MR_LEN - (i + 1) * 4096
         a.post_recv(500 + i, at, 4096)
         length = rng.randrange(1, 1000)
@@ -280,7 +282,7 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         _receive(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
         done += a.completions()
         replied = _cqes(fast)
-        assert replied == _cqes(slow)  # every field: byte_len, flags, solicited...
+        assert replied == _cqes(slow)  # every field: opcode, byte_len, wc_flags, QPNs...
         replies -= len(replied)
         if len(done) == len(writes) + len(sends) + answers and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
             break
@@ -290,7 +292,7 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
     assert pf.link.rcv_nxt == ps.link.rcv_nxt
     assert fast.qp.state == slow.qp.state and fast.qp.rx_write_bytes == slow.qp.rx_write_bytes
     assert (fast.qp.rx_msn, fast.qp.rx_placed) == (slow.qp.rx_msn, slow.qp.rx_placed)
-    lane = {k: fast.dev.stats.pop(k, 0) for k in ("rx_native_datagrams", "rx_native_sends")}
+    lane = {k: fast.dev.stats.pop(k, 0) for k in ("rx_native_datagrams", "rx_native_sends", "rx_native_reads")}
     assert +fast.dev.stats == +slow.dev.stats
     fast.dev.stats.update(lane)
     return a, fast
@@ -329,9 +331,11 @@ def test_a_read_response_out_of_place_ends_alike(delta: int | str) -> None:
 def test_read_responses_go_through_the_lane(loss: float) -> None:
     with _run(13, [(1, 0, "ok")], loss, reads=3, reply_len=300_000) as (a, fast):
         assert fast.qp.state == S.IBV_QPS_RTS
-        # all but each Read's first and last segments, and what loss sends the Python way
+        # all but the first Read's first segment, and what loss sends the Python way
         assert fast.dev.stats["rx_native_datagrams"] > (0.5 if loss else 0.9) * fast.dev.dump_stats()[
             "link_data_received"]
+        if not loss:
+            assert fast.dev.stats["rx_native_reads"] == 3  # the lane completed them all
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.05])
@@ -479,3 +483,29 @@ def test_single_segment_sends_and_the_acks_they_carry_go_through_the_lane() -> N
         for i, (length, _) in enumerate(sends):
             at, src = _RECV_AT + i * _RECV_STRIDE, _send_source(i)
             assert bytes(fast.mr.view[at:at + length]) == bytes(a.mr.view[src:src + length])
+
+
+async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_them() -> None:
+    # A one-segment Read Response is first and last at once; each Read has a
+    # sink STag of its own, so the lane follows the ORRQ head, not the hint.
+    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
+    try:
+        a.connect(b)
+        b.connect(a)
+        await establish(a, b)
+        b.mr.view[256:266] = bytes(range(1, 11))
+        for i in range(5):
+            a.post_write(i, 128 + 2 * i, 2, b, 256 + 2 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
+            done: list[tuple[int, int]] = []
+            for _ in range(50):  # real sockets: give the datagrams a few passes
+                a.dev.poll_once()
+                b.dev.poll_once()
+                done += a.completions()
+                if done:
+                    break
+            assert done == [(i, 0)]
+        assert bytes(a.mr.view[128:138]) == bytes(range(1, 11))
+        assert a.dev.stats["rx_native_reads"] == 4  # all but the first, which sets the hint
+    finally:
+        a.close()
+        b.close()

@@ -51,10 +51,11 @@ def _datagram(i: int, *, ptype: int = PacketType.DATA, tag: int = TAG, seq_off: 
 
 def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
          next_to: int | None = None, send: bool = False, length: int = LENGTH,
-         send_op: int = Opcode.SEND) -> tuple[int, object, bytearray]:
+         send_op: int = Opcode.SEND, read: bool = False) -> tuple[int, object, bytearray]:
     """Run the lane over ``datagrams``; with ``next_to``, in sequential mode
     from that offset; with ``send``, untagged: a Send (``send_op``) of MSN
-    ``MSN`` into a receive of ``length`` bytes (as daemon/device.py sets it up)."""
+    ``MSN`` into a receive of ``length`` bytes; with ``read``, Read Responses
+    into a sink of ``length`` bytes at ``BASE`` (both as daemon/device.py sets them up)."""
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     r = ffi.new("udpv_rx_run *")
@@ -63,7 +64,12 @@ def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
     if send:
         r.ctrl_more, r.rctl, r.ctrl_last = device._SEND_CTRL[send_op]
         r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
+        r.last_ends = 1
         next_to = next_to or 0
+    elif read:
+        r.ctrl_more, r.rctl, r.ctrl_last = device._READ_RESPONSE_CTRL
+        r.stag, r.base, r.last_ends = STAG, BASE, 1
+        next_to = next_to or BASE
     else:
         r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
         r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
@@ -254,6 +260,28 @@ def test_a_send_s_last_segment_the_lane_does_not_complete_stays_out(bad: str) ->
         d, op = _send_datagram(2, last=True, opcode=Opcode.SEND_INVALIDATE), Opcode.SEND_INVALIDATE
     k, r, mem = _run([d], send=True, send_op=op, next_to=2 * PAYLOAD)
     assert k == 0 and r.ended == 0 and not any(mem)
+
+
+def _response(i: int, last: bool = False, payload: bytes | None = None) -> bytes:
+    """Read Response segment ``i``, the ``last`` of its Read or not."""
+    d = _datagram(i, opcode=Opcode.RDMA_READ_RESPONSE, payload=payload)
+    if last != (i == 4):  # _datagram makes the fifth one the last
+        ctrl = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, last)[0]
+        d = _respoil(d, lambda b: b.__setitem__(8, ctrl))
+    return d
+
+
+def test_a_read_s_last_response_ends_the_run_when_it_fills_the_sink() -> None:
+    # what follows (the next Read's responses) waits for the Python path to complete this Read
+    ds = [_response(i, last=i == 4) for i in range(5)] + [_response(0)]
+    k, r, mem = _run(ds, seg=len(ds[0]), read=True, length=5 * PAYLOAD)
+    assert k == 5 and r.ended == 1 and r.flow_ack == 0 and r.bytes == 5 * PAYLOAD
+    assert bytes(mem[:5 * PAYLOAD]) == b"".join(bytes([i]) * PAYLOAD for i in range(5)) and not any(mem[5 * PAYLOAD:])
+    # a last segment that leaves the sink short is the Python path's (a tagged buffer error)
+    k, r, mem = _run(ds, seg=len(ds[0]), read=True, length=5 * PAYLOAD + 1)
+    assert k == 4 and r.ended == 0 and not any(mem[4 * PAYLOAD:])
+    k, r, _ = _run([_response(0, last=True)], read=True, length=PAYLOAD)  # one segment, as a small Read's
+    assert k == 1 and r.ended == 1
 
 
 def test_a_send_longer_than_its_receive_ends_the_run() -> None:
