@@ -124,14 +124,17 @@ class Host:
         rq.push()
         rq.publish()
 
-    def completions(self) -> list[tuple[int, int]]:
-        ring = self.cq.ring
-        out = []
+    def cqes(self) -> list[tuple[int, ...]]:
+        """The CQEs our CQ holds, every field, taken off the ring."""
+        ring, out = self.cq.ring, []
         while ring.available():
-            wr_id, status, *_ = shm.CQE.unpack_from(ring.buf, ring.slot_offset())
-            out.append((wr_id, status))
+            out.append(shm.CQE.unpack_from(ring.buf, ring.slot_offset()))
             ring.pop()
         return out
+
+    def completions(self) -> list[tuple[int, int]]:
+        """``(wr_id, status)`` of each CQE ``cqes`` takes."""
+        return [(c[0], c[1]) for c in self.cqes()]
 
 
 def qp_pairs(a: Host, b: Host, n: int) -> list[tuple[QueuePair, QueuePair]]:

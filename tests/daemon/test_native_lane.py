@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from udpverbs.wire import link as wire_link, native, rdmap, segment, shm
+from udpverbs.wire import link as wire_link, native, rdmap, segment
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import QPState as S, WrOpcode
 
@@ -129,15 +129,6 @@ def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[byte
             qp.complete_acked(link.acked)
         qp.pump(64)
     return link.datagrams_to_send(now, clock)
-
-
-def _cqes(host: Host) -> list[tuple[int, ...]]:
-    """The CQEs ``host``'s CQ holds, every field, taken off the ring."""
-    ring, out = host.cq.ring, []
-    while ring.available():
-        out.append(shm.CQE.unpack_from(ring.buf, ring.slot_offset()))
-        ring.pop()
-    return out
 
 
 def _link_state(pl: object) -> tuple[object, ...]:
@@ -281,8 +272,8 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         assert _link_state(pf) == _link_state(ps)
         _receive(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
         done += a.completions()
-        replied = _cqes(fast)
-        assert replied == _cqes(slow)  # every field: opcode, byte_len, wc_flags, QPNs...
+        replied = fast.cqes()
+        assert replied == slow.cqes()  # every field: opcode, byte_len, wc_flags, QPNs...
         replies -= len(replied)
         if len(done) == len(writes) + len(sends) + answers and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
             break

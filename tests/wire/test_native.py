@@ -25,7 +25,7 @@ from hypothesis import given, settings, strategies as st
 
 from udpverbs.daemon import device
 from udpverbs.transport.link import run_slots
-from udpverbs.wire import link, native, rdmap, segment
+from udpverbs.wire import envelope, link, native, rdmap, segment
 from udpverbs.wire.link import PacketType
 from udpverbs.wire.rdmap import Opcode
 
@@ -226,7 +226,7 @@ def test_a_send_run_stops_before_a_segment_it_does_not_recognise(spoil: str) -> 
     assert k == 0 and not any(mem)
 
 
-_FLOW_ACK = 0x02  # wire/envelope.py Flags.FLOW_ACK
+_FLOW_ACK = int(envelope.Flags.FLOW_ACK)  # the C lane's FLOW_ACK_FLAG must agree
 
 
 def test_a_send_s_last_segment_is_placed_and_ends_the_run() -> None:
