@@ -972,8 +972,7 @@ class Device:
             elif op == _OP_READ_RESPONSE:
                 rd.placed += r.bytes
                 if r.ended:
-                    qp.orrq.popleft()
-                    rd.wr.done = True
+                    qp.read_placed()
                     self.stats["rx_native_reads"] += 1
                     self.qp_changed(qp)  # the Read completes
             else:

@@ -1141,8 +1141,11 @@ class QueuePair:
             rd.gather.scatter(rd.placed, payload)
         rd.placed += n
         if hdr.last:
-            self.orrq.popleft()
-            rd.wr.done = True
+            self.read_placed()
+
+    def read_placed(self) -> None:
+        """The last Read Response of the Read at the ORRQ head is placed: it completes."""
+        self.orrq.popleft().wr.done = True
 
     def _take_receive(self, hdr: Any, raw: memoryview, seglen: int) -> bool:
         """Start the next queue-0 message: check its MSN, take the next receive WQE.
