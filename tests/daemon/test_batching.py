@@ -446,6 +446,56 @@ async def test_a_pass_reads_a_bounded_number_of_bytes() -> None:
     dev.close()
 
 
+class CountingSocket:
+    """The device's socket, counting its reads and the ones that found nothing."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reads = 0
+        self.empty = 0
+
+    def recvmsg(self, size: int, anc: int) -> tuple[bytes, list[Any], int, Any]:
+        self.reads += 1
+        try:
+            return self.sock.recvmsg(size, anc)
+        except BlockingIOError:
+            self.empty += 1
+            raise
+
+    def recvfrom(self, size: int) -> tuple[bytes, Any]:
+        data, _, _, addr = self.recvmsg(size, 0)
+        return data, addr
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("waiting", [1, 3])
+async def test_a_pass_reads_what_waits_and_no_more(waiting: int) -> None:
+    # The socket's epoll, not a read that fails with EAGAIN, says that the
+    # socket is drained: that read and its exception were about 1 us of
+    # every receiving pass.
+    dev = Device(DeviceConfig(addr="127.0.0.2", port=0))
+    addr = dev.bind()
+    counting = CountingSocket(dev.sock)  # type: ignore[arg-type]
+    dev.sock = counting  # type: ignore[assignment]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer:
+        peer.bind(("127.0.0.9", 0))
+        for _ in range(waiting):
+            peer.sendto(b"\x00" * 40, addr)
+        deadline = trio.current_time() + 2
+        while not dev._rx_epoll.poll(0) and trio.current_time() < deadline:  # type: ignore[union-attr]
+            await trio.sleep(0.001)
+        dev.poll_once()
+    assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == waiting
+    assert counting.empty == 0 and 1 <= counting.reads <= waiting  # GRO may coalesce them
+    reads = counting.reads
+    dev.poll_once()  # nothing waits: no read at all
+    assert counting.reads == reads
+    dev.sock = counting.sock
+    dev.close()
+
+
 @pytest.mark.parametrize("mtu", [1472, 8972, 65507])
 def test_the_receive_window_fits_in_the_socket_buffer(mtu: int) -> None:
     # Flow control keeps what a peer may have in flight inside our socket
