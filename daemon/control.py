@@ -25,6 +25,7 @@ import array
 import errno
 import logging
 import os
+import resource
 import socket
 import struct
 from typing import Any
@@ -135,10 +136,12 @@ class Session:
     def op_query_stats(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
         stats = self.device.dump_stats()
         # The daemon's CPU time so far, all its threads (what `udpverbs perf
-        # --cpu_util` turns into a share of one CPU over a run)
-        t = os.times()
-        stats["process_cpu_user_ms"] = int(t.user * 1000)
-        stats["process_cpu_system_ms"] = int(t.system * 1000)
+        # --cpu_util` turns into a share of one CPU over a run).  getrusage,
+        # not os.times: the latter counts in clock ticks (10 ms), as long as
+        # a whole short run, which then showed 0% or 170%.
+        t = resource.getrusage(resource.RUSAGE_SELF)
+        stats["process_cpu_user_ms"] = int(t.ru_utime * 1000)
+        stats["process_cpu_system_ms"] = int(t.ru_stime * 1000)
         text = "".join(f"{k} {v}\n" for k, v in sorted(stats.items()))
         return ctl.encode_reply(Op.QUERY_STATS, count=len(stats), data=text.encode()), []
 
