@@ -39,8 +39,21 @@ def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int) -> None:
     rec, model = Recovery(threshold), PacketRecovery(threshold)
     queued = sent = 0  # next message to queue, next first transmission
     for _ in range(data.draw(st.integers(1, 60))):
-        op = data.draw(st.sampled_from(["queue", "send", "retransmit", "ack", "ack", "rto"]))
-        if op == "queue":
+        op = data.draw(st.sampled_from(["queue", "send", "retransmit", "ack", "ack", "rto", "ping"]))
+        if op == "ping":
+            # A ping-pong's exchange: one message queued, sent and acked
+            # (Recovery's one-packet path when nothing else is in flight).
+            payload = bytes([queued % 251, 2])
+            model.messages[queued] = payload
+            rec.add(queued, payload)
+            if sent == queued:
+                rec.on_sent(sent, SIZE)
+                model.on_sent(sent, SIZE)
+                sent += 1
+            queued += 1
+            cum = min(rec.una + 1, sent)
+            assert rec.on_ack(cum, []) == model.on_ack(cum, [])
+        elif op == "queue":
             k = data.draw(st.integers(1, 6))
             if data.draw(st.booleans()):
                 # a payload run: messages in one buffer, the last shorter, back
