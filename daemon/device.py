@@ -286,10 +286,10 @@ class PeerLink:
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
 
-    def send(self, message: bytes | bytearray, ack_now: bool = True) -> int:
+    def send(self, message: bytes | bytearray, ack_now: bool = True, ack_carrier: bool = True) -> int:
         """Queue one message on the link; return its message number
-        (``ack_now``: as for ``Link.send``)."""
-        return self.link.send(message, self.device.now, ack_now)
+        (``ack_now``, ``ack_carrier``: as for ``Link.send``)."""
+        return self.link.send(message, self.device.now, ack_now, ack_carrier)
 
     def send_tagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, stag: int, to: int, src: memoryview,
                         start: int, count: int, last_len: int, ends: bool) -> int:

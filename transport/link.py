@@ -43,6 +43,15 @@ duplicate or out-of-window packet, for a filled hole, and when the sender set
 ACK_NOW (it does on the last packet of a burst, so a small message is not
 held by the delayed-ACK timer).  Any DATA we send piggybacks the ACK.
 
+An ACK the sender asked for with ACK_NOW is held, for at most
+``max_ack_delay_s``, while the exchange is a ping-pong: nothing of ours is
+in flight, and the last such ACK our own DATA carried within that time (or
+could have carried: it left alone and our DATA followed in time).  Held,
+the ACK rides on the answer, and neither side spends a datagram and a pass
+on an ACK alone.  A hold that runs out sends the ACK and ends the holding
+until an answer comes in time again, so a peer whose messages we never
+answer waits for an ACK once, not each time (``ack_holds_expired``).
+
 Timestamps and the echo rule: every packet carries ``ts_us`` (our clock, µs
 mod 2**32).  ``ts_echo_us`` returns the ts of the latest packet received from
 the peer *plus the time we held it* before this packet left.  So the peer's
@@ -91,9 +100,6 @@ _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _RETX = int(wl.LinkFlags.RETRANSMISSION)
 _encode_fields = wl.encode_fields
 _decode = wl.decode_untrusted
-_TN = tuple.__new__
-
-
 class LinkState(enum.IntEnum):
     IDLE = 0  #: created, nothing sent or received
     INIT_SENT = 1  #: active open, waiting for INIT_ACK
@@ -185,6 +191,7 @@ class LinkStats:
     fast_retransmits: int = 0  #: packets declared lost from SACK information
     rto_count: int = 0
     keepalives_sent: int = 0
+    ack_holds_expired: int = 0  #: ACK_NOW ACKs held for an answer that did not come in time
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -289,6 +296,10 @@ class Link:
         self._ack_count = 0
         self._ack_now = False
         self._ack_deadline: float | None = None
+        self._ack_held = False  # an ACK_NOW ACK waits (until _ack_deadline) for our DATA to carry it
+        self._answers = False  # our DATA followed the last ACK_NOW packet within max_ack_delay_s
+        self._answer_by = -INF  # DATA sent by then could have carried the ACK that left alone
+        self._poor_carrier = False  # a message queued with ack_carrier=False has not left yet
         self._last_rx_ts = 0
         self._last_rx_time = 0.0
         self._arrived = 0.0  # arrival time of the datagram being processed
@@ -445,9 +456,9 @@ class Link:
             self._fail("abort_received")
             return
         self._heard(h.ts_us, now)
-        self._process_ack(h, now)
+        self._process_ack(h.ack, h.rwnd, h.ts_echo_us, h.sack, now)
         if ptype == _DATA:
-            self._data_received(h, body)
+            self._data_received(h, body, now)
         elif ptype == _KEEPALIVE:
             self._ack_now = True
 
@@ -481,17 +492,31 @@ class Link:
         stats.datagrams_received += count
         stats.data_received += count
         self._heard(last_ts_us, now)
-        self._process_ack(_TN(wl.LinkHeader, (_DATA, flags, self.path_id, self.tag, 0, ack, ts_us, ts_echo_us,
-                                              rwnd, ())), now)
+        self._process_ack(ack, rwnd, ts_echo_us, (), now)
         if count > 1:
             # later packets repeat the ACK field: the fast case of _process_ack
             self.peer_rwnd = last_rwnd
         self.rcv_nxt += count
-        if flags_any & _ACK_NOW:
-            self._ack_now = True
         self._ack_count += count
         if self._ack_count >= self.config.ack_every:
             self._ack_now = True
+        elif flags_any & _ACK_NOW:
+            self._ack_asked(flags_any, now)
+
+    def _ack_asked(self, flags: int, now: float) -> None:
+        """In-order DATA with ACK_NOW (``flags``) arrived, and no other rule
+        ACKs it at once: ACK at once, or hold the ACK for our answer (see
+        the module docstring)."""
+        hold = self.config.max_ack_delay_s
+        if self._answers and not flags & _RETX and not self.recovery.has_inflight():
+            if not self._ack_held:
+                self._ack_held = True
+                d = now + hold
+                if self._ack_deadline is None or d < self._ack_deadline:
+                    self._ack_deadline = d
+            return
+        self._ack_now = True
+        self._answer_by = now + hold
 
     def _handshake_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:
         stats = self.stats
@@ -558,36 +583,39 @@ class Link:
         path = (int(self._arrived * 1e6) - echo) & _U32
         return path * 1e-6 if path <= d else d * 1e-6
 
-    def _process_ack(self, h: wl.LinkHeader, now: float) -> None:
-        if h.ack == self._last_ack_field and not h.sack and self.rtt.srtt_s is not None:
+    def _process_ack(self, ack: int, rwnd: int, ts_echo_us: int, sack: tuple[tuple[int, int], ...],
+                     now: float) -> None:
+        """The ACK fields of a received packet (taken apart by the caller: the
+        compiled lane's runs have no header object to pass)."""
+        if ack == self._last_ack_field and not sack and self.rtt.srtt_s is not None:
             # The common case on the receiving side of a bulk transfer: the
             # peer's ACK field has not moved, and nothing is SACKed.
-            self.peer_rwnd = h.rwnd
+            self.peer_rwnd = rwnd
             return
-        self._last_ack_field = h.ack
+        self._last_ack_field = ack
         rec = self.recovery
         una = rec.una
         base = self.isn + una
-        cum = una + ((h.ack - base) & _U32)
+        cum = una + ((ack - base) & _U32)
         snd_nxt = self._snd_nxt
         if cum > snd_nxt:
-            d = (h.ack - base) & _U32
+            d = (ack - base) & _U32
             if d >= _HALF:
                 cum = una  # an old ACK, reordered: nothing new
             else:
                 self.stats.bad_ack += 1
                 return
-        self.peer_rwnd = h.rwnd
+        self.peer_rwnd = rwnd
         sacks: list[tuple[int, int]] = []
-        if h.sack:
-            for s, e in h.sack:
+        if sack:
+            for s, e in sack:
                 ds = (s - base) & _U32
                 de = (e - base) & _U32
                 if ds < de <= snd_nxt - una:
                     sacks.append((una + ds, una + de))
         if cum == una and not sacks:
             if self.rtt.srtt_s is None:
-                s = self._rtt_sample(h.ts_echo_us, now)  # the passive opener's first sample
+                s = self._rtt_sample(ts_echo_us, now)  # the passive opener's first sample
                 if s is not None:
                     self.cc.on_packets_acked(0, s, now)
             return
@@ -597,7 +625,7 @@ class Link:
             return
         rtt_s = None
         if acked:
-            rtt_s = self._rtt_sample(h.ts_echo_us, now)
+            rtt_s = self._rtt_sample(ts_echo_us, now)
         cc = self.cc
         if lost:
             self.stats.fast_retransmits += len(rec.lost) - nlost
@@ -616,7 +644,7 @@ class Link:
         elif not rec.has_inflight():
             self._rto_deadline = None
 
-    def _data_received(self, h: wl.LinkHeader, body: memoryview) -> None:
+    def _data_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:
         stats = self.stats
         rcv_nxt = self.rcv_nxt
         d = (h.seq - self.peer_isn - rcv_nxt) & _U32
@@ -630,8 +658,7 @@ class Link:
             self._ack_now = True
             return
         stats.data_received += 1
-        if h.flags & _ACK_NOW:
-            self._ack_now = True
+        asked = h.flags & _ACK_NOW
         if d == 0:
             delivered = self._delivered
             # A view of an immutable datagram is handed on as it is (the
@@ -654,7 +681,11 @@ class Link:
             self._ack_count += 1
             if self._ack_count >= self.config.ack_every:
                 self._ack_now = True
+            elif asked:
+                self._ack_asked(h.flags, now)
             return
+        if asked:
+            self._ack_now = True
         n = rcv_nxt + d
         ooo = self._ooo
         ranges = self._ranges
@@ -765,7 +796,8 @@ class Link:
 
     # --- sending ------------------------------------------------------------
 
-    def send(self, message: bytes | bytearray | memoryview, now: float, ack_now: bool = True) -> int:
+    def send(self, message: bytes | bytearray | memoryview, now: float, ack_now: bool = True,
+             ack_carrier: bool = True) -> int:
         """Queue one message; returns its number n (0, 1, 2, ...).
 
         A ``bytearray`` is kept, not copied: the caller must not change it
@@ -777,6 +809,12 @@ class Link:
         delayed-ACK timer.  For a message whose sender waits on nothing but
         the link's retransmission state, e.g. a Modified ACK: answering it
         with an ACK of its own costs both daemons a datagram.
+
+        ``ack_carrier=False``: the peer must process the ACK this message
+        would carry before it can answer the message (a request its owner
+        answers at once, such as an RDMA Read Request), so an ACK held for
+        our answer would only move that work onto the peer's reply: while
+        such messages are the answers, ACK_NOW ACKs are not held.
 
         Raises:
             ValueError: longer than ``config.max_payload``.
@@ -795,6 +833,8 @@ class Link:
         self._next_n = n + 1
         if ack_now:
             self._want_ack_now = True
+        if not ack_carrier:
+            self._poor_carrier = True
         return n
 
     def send_run(self, buf: bytearray, stride: int, count: int, last_len: int) -> int:
@@ -970,6 +1010,16 @@ class Link:
             self._ack_count = 0
             self._ack_now = False
             self._ack_deadline = None
+            if self._poor_carrier:
+                # Such a message left (or is leaving): not an answer worth holding for.
+                if self._snd_nxt >= self._next_n:
+                    self._poor_carrier = False
+                self._answers = self._ack_held = False
+            elif self._ack_held:
+                self._ack_held = False  # carried, as hoped
+            elif now <= self._answer_by:
+                self._answers = True  # could have carried the ACK that left alone: hold the next
+                self._answer_by = -INF
             if self._rto_deadline is None:
                 self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff
         elif self._ack_now or (self._ack_deadline is not None and now >= self._ack_deadline):
@@ -978,6 +1028,12 @@ class Link:
             self._ack_count = 0
             self._ack_now = False
             self._ack_deadline = None
+            if self._ack_held:
+                # The hold ran out (or something else needed an ACK first):
+                # ACK at once until an answer comes in time again.
+                self._ack_held = False
+                self._answers = False
+                stats.ack_holds_expired += 1
         elif self._ack_count and self._ack_deadline is None:
             self._ack_deadline = now + self.config.max_ack_delay_s
         stats.datagrams_sent += len(out)

@@ -290,6 +290,122 @@ def test_a_message_sent_without_ack_now_waits_for_the_delayed_ack() -> None:
     assert b.datagrams_to_send(t + D) == [] and b.stats.acks_sent == 0
 
 
+def _kind(datagram: bytes) -> str:
+    return wl.PacketType(wl.decode_untrusted(datagram)[0].ptype).name
+
+
+def _learn_the_rally(a: Link, b: Link, t: float, answer_s: float) -> float:
+    """One ping-pong exchange from ``t``, each side answering ``answer_s``
+    after the other's message arrives.  Neither side knows yet that it
+    answers, so each ACKs the other's ACK_NOW message at once; each answer
+    then comes in time to teach it to hold the next.  Returns when a has
+    the pong."""
+    a.send(b"ping", t)
+    (ping,) = a.datagrams_to_send(t)
+    feed(b, [ping], t + D)
+    assert [_kind(d) for d in b.datagrams_to_send(t + D)] == ["ACK"]
+    b.send(b"pong", t + D + answer_s)
+    (pong,) = b.datagrams_to_send(t + D + answer_s)
+    feed(a, [pong], t + 2 * D + answer_s)
+    assert [_kind(d) for d in a.datagrams_to_send(t + 2 * D + answer_s)] == ["ACK"]
+    return t + 2 * D + answer_s
+
+
+def test_an_ack_now_ack_is_held_for_a_ping_pong_answer() -> None:
+    a, b = make_pair(cfg(max_ack_delay_s=0.0002))
+    t = _learn_the_rally(a, b, establish(a, b), 50e-6)
+    acks = a.stats.acks_sent, b.stats.acks_sent
+    for _ in range(5):
+        t += 50e-6
+        a.send(b"ping", t)
+        (ping,) = a.datagrams_to_send(t)
+        assert wl.decode_untrusted(ping)[0].flags & wl.LinkFlags.ACK_NOW
+        feed(b, [ping], t + D)
+        assert b.datagrams_to_send(t + D) == []  # held for the answer...
+        assert b.next_deadline() == pytest.approx(t + D + 0.0002)  # ...at most max_ack_delay_s
+        b.send(b"pong", t + D + 50e-6)
+        (pong,) = b.datagrams_to_send(t + D + 50e-6)  # the answer carries the ACK
+        assert wl.decode_untrusted(pong)[0].ack == (a.isn + a.recovery.una + 1) % 2**32
+        feed(a, [pong], t + 2 * D + 50e-6)
+        assert not a.recovery.has_inflight()  # the ping is acknowledged
+        assert a.datagrams_to_send(t + 2 * D + 50e-6) == []
+        t += 2 * D + 50e-6
+    assert (a.stats.acks_sent, b.stats.acks_sent) == acks  # not one ACK alone
+    assert a.stats.ack_holds_expired == b.stats.ack_holds_expired == 0
+
+
+def _a_held_ping() -> tuple[Link, Link, float]:
+    """Two links that have learned the rally, and a's next ping at b, which
+    holds its ACK; returns them and the ping's arrival time."""
+    a, b = make_pair(cfg(max_ack_delay_s=0.0002))
+    t = _learn_the_rally(a, b, establish(a, b), 50e-6)
+    a.send(b"ping", t)
+    (ping,) = a.datagrams_to_send(t)
+    feed(b, [ping], t + D)
+    assert b.datagrams_to_send(t + D) == []  # held: b has answered in time so far
+    return a, b, t + D
+
+
+def test_a_held_ack_leaves_when_the_answer_is_late_and_holding_stops() -> None:
+    a, b, t = _a_held_ping()
+    b.timer_fired(t + 0.0002)  # no answer in time
+    assert [_kind(d) for d in b.datagrams_to_send(t + 0.0002)] == ["ACK"]
+    assert b.stats.ack_holds_expired == 1
+    # The late answer (300 us after the ping) could not have carried it:
+    # the next ACK_NOW message is ACKed at once again.
+    b.send(b"late", t + 0.0003)
+    (late,) = b.datagrams_to_send(t + 0.0003)
+    t2 = t + D + 0.0003
+    feed(a, [late], t2)
+    a.datagrams_to_send(t2)
+    a.send(b"ping", t2)
+    (ping,) = a.datagrams_to_send(t2)
+    feed(b, [ping], t2 + D)
+    assert [_kind(d) for d in b.datagrams_to_send(t2 + D)] == ["ACK"]
+    assert b.stats.ack_holds_expired == 1
+
+
+def test_an_ack_now_ack_is_not_held_with_our_data_in_flight_or_for_a_retransmission() -> None:
+    a, b = make_pair(cfg(max_ack_delay_s=0.0002))
+    t = _learn_the_rally(a, b, establish(a, b), 50e-6)
+    # b's own message is in flight (lost): b is not waiting to answer.
+    b.send(b"lost", t)
+    assert len(b.datagrams_to_send(t)) == 1
+    a.send(b"ping", t)
+    (ping,) = a.datagrams_to_send(t)
+    feed(b, [ping], t + D)
+    assert [_kind(d) for d in b.datagrams_to_send(t + D)] == ["ACK"]
+    # A retransmission: its sender has waited a whole RTO already.
+    a2, b2 = make_pair(cfg(max_ack_delay_s=0.0002))
+    t = _learn_the_rally(a2, b2, establish(a2, b2), 50e-6)
+    a2.send(b"ping", t)
+    a2.datagrams_to_send(t)  # lost
+    rto = a2.next_deadline()
+    assert rto is not None
+    a2.timer_fired(rto)
+    (again,) = a2.datagrams_to_send(rto)
+    assert wl.decode_untrusted(again)[0].flags & wl.LinkFlags.RETRANSMISSION
+    feed(b2, [again], rto + D)
+    assert [_kind(d) for d in b2.datagrams_to_send(rto + D)] == ["ACK"]
+
+
+def test_an_answer_the_peer_must_process_first_ends_the_holding() -> None:
+    # A Read Request answering a Write, say: the peer's daemon takes the
+    # ACK it carries before it can reply, so holding ours for it only moves
+    # that work onto the peer's reply.
+    a, b, t = _a_held_ping()
+    b.send(b"request", t + 50e-6, ack_carrier=False)
+    (request,) = b.datagrams_to_send(t + 50e-6)
+    assert wl.decode_untrusted(request)[0].ack == (a.isn + a.recovery.una + 1) % 2**32  # carried this once
+    t2 = t + D + 50e-6
+    feed(a, [request], t2)
+    a.send(b"ping", t2)
+    (ping,) = a.datagrams_to_send(t2)
+    feed(b, [ping], t2 + D)
+    assert [_kind(d) for d in b.datagrams_to_send(t2 + D)] == ["ACK"]  # not held again
+    assert b.stats.ack_holds_expired == 0
+
+
 def test_echo_excludes_ack_delay() -> None:
     a, b = make_pair(cfg(max_ack_delay_s=0.0002, ack_every=2))
     t = establish(a, b)
