@@ -385,8 +385,13 @@ class QP(Resource):
                 off = sq.next_slot_offset()
                 inline = int(wr.send_flags) & _SEND_INLINE
                 if inline:
-                    data = b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length))
-                                    for s in wr.sg[:n])
+                    if n == 1:
+                        # perftest's case: copied once, from the buffer into the slot
+                        s = wr.sg[0]
+                        data = shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)
+                    else:
+                        data = b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length))
+                                        for s in wr.sg[:n])
                     num_sge, inline_len = 0, len(data)
                 else:
                     num_sge, inline_len = n, 0
