@@ -50,7 +50,8 @@ could have carried: it left alone and our DATA followed in time).  Held,
 the ACK rides on the answer, and neither side spends a datagram and a pass
 on an ACK alone.  A hold that runs out sends the ACK and ends the holding
 until an answer comes in time again, so a peer whose messages we never
-answer waits for an ACK once, not each time (``ack_holds_expired``).
+answer waits for an ACK once, not each time (``ack_holds_expired``).  An
+answer queued with ``send(ack_carrier=False)`` ends the holding too.
 
 Timestamps and the echo rule: every packet carries ``ts_us`` (our clock, µs
 mod 2**32).  ``ts_echo_us`` returns the ts of the latest packet received from
