@@ -101,6 +101,8 @@ _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _RETX = int(wl.LinkFlags.RETRANSMISSION)
 _encode_fields = wl.encode_fields
 _decode = wl.decode_untrusted
+
+
 class LinkState(enum.IntEnum):
     IDLE = 0  #: created, nothing sent or received
     INIT_SENT = 1  #: active open, waiting for INIT_ACK

@@ -320,7 +320,6 @@ class Recovery:
         # QUIC packet threshold on transmission ids (RFC 9002 §6.1.1), over
         # single packets and spans merged in transmission order.
         threshold = maxtx - self.reorder_threshold
-        order = self._order
         lost = self.lost
         lost_bytes = 0
         while True:
