@@ -507,11 +507,12 @@ class Link:
             self._ack_asked(flags_any, now)
 
     def _ack_asked(self, flags: int, now: float) -> None:
-        """In-order DATA with ACK_NOW (``flags``) arrived, and no other rule
-        ACKs it at once: ACK at once, or hold the ACK for our answer (see
-        the module docstring)."""
+        """In-order DATA with ACK_NOW (``flags``) arrived: ACK at once, or hold
+        the ACK for our answer (see the module docstring).  Never held when
+        another rule already ACKs at once (a filled hole, say): the hold
+        would only count as expired and stop the holding."""
         hold = self.config.max_ack_delay_s
-        if self._answers and not flags & _RETX and not self.recovery.has_inflight():
+        if self._answers and not self._ack_now and not flags & _RETX and not self.recovery.has_inflight():
             if not self._ack_held:
                 self._ack_held = True
                 d = now + hold

@@ -389,6 +389,33 @@ def test_an_ack_now_ack_is_not_held_with_our_data_in_flight_or_for_a_retransmiss
     assert [_kind(d) for d in b2.datagrams_to_send(rto + D)] == ["ACK"]
 
 
+def test_an_ack_that_leaves_at_once_anyway_does_not_stop_the_holding() -> None:
+    a, b = make_pair(cfg(max_ack_delay_s=0.0002))
+    t = _learn_the_rally(a, b, establish(a, b), 50e-6)
+    a.send(b"ping", t)
+    (ping,) = a.datagrams_to_send(t)
+    feed(b, [ping], t + D)
+    assert b.datagrams_to_send(t + D) == []  # held
+    b.send(b"pong", t + D + 50e-6)
+    (pong,) = b.datagrams_to_send(t + D + 50e-6)
+    t += 2 * D + 50e-6
+    feed(a, [pong], t)
+    a.send(b"ping", t)
+    (ping2,) = a.datagrams_to_send(t)
+    # A duplicate of the first ping comes just before the second: its ACK
+    # leaves at once (RFC 5681 §4.2) and covers the second too.  No hold
+    # was begun, so none ran out...
+    feed(b, [ping, ping2], t + D)
+    (ack,) = b.datagrams_to_send(t + D)
+    assert _kind(ack) == "ACK" and b.stats.ack_holds_expired == 0
+    # ... and the next ping's ACK still waits for the answer.
+    feed(a, [ack], t + 2 * D)
+    a.send(b"ping", t + 2 * D)
+    (ping3,) = a.datagrams_to_send(t + 2 * D)
+    feed(b, [ping3], t + 3 * D)
+    assert b.datagrams_to_send(t + 3 * D) == []
+
+
 def test_an_answer_the_peer_must_process_first_ends_the_holding() -> None:
     # A Read Request answering a Write, say: the peer's daemon takes the
     # ACK it carries before it can reply, so holding ours for it only moves
