@@ -76,7 +76,7 @@ import trio.testing
 from ..transport.congestion.base import create as create_cc
 from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkUp, one_per_datagram, run_slots
 from ..transport.sockbuf import datagrams_that_fit
-from ..wire import ctl, envelope, rdmap, segment, shm
+from ..wire import ctl, ddp, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
 from ..wire import native as wire_native
 from ..wire.envelope import Kind
@@ -126,6 +126,16 @@ _SEND_CTRL = {int(op): (ctrl, rctl, rdmap.UNTAGGED_CONTROL[op, True][0] if op in
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
+# ... and the lane takes them whole, one per run, each of its fixed size
+# (RFC 5040 §4.4, RFC 7306 §5.2) on its own queue: (DDP control of a
+# segment that is not the last, RDMAP control, DDP control of the last,
+# QN, body length)
+_REQUEST_LANE = {int(op): (*rdmap.UNTAGGED_CONTROL[op, False][:2], *rdmap.UNTAGGED_CONTROL[op, True][::2],
+                           rdmap.SINGLE_SEGMENT[op]) for op in _ANSWERED_BY_DAEMON}
+_OP_READ_REQUEST = int(Opcode.RDMA_READ_REQUEST)
+#: where a segment's DDP header starts in a link packet, and how much follows its payload
+_SEGMENT_AT = wire_link.HEADER_LEN + envelope.ENVELOPE_LEN
+_CRC_LEN = wire_link.CRC_LEN
 _FLOW_ACK = int(envelope.Flags.FLOW_ACK)
 # Linux UDP segmentation offload (include/uapi/linux/udp.h); the socket
 # module of Python 3.11 does not name them.
@@ -475,6 +485,8 @@ class Device:
         self._rx_run: Any = None
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
+            # where the lane copies a request's body (the QP reads it from the datagram)
+            self._rx_scratch = bytearray(max(rdmap.SINGLE_SEGMENT[op] or 0 for op in _ANSWERED_BY_DAEMON))
             # the send lane's segment headers, packed in place by wire/segment.py
             self.tx_segments = self.native.ffi.new("udpv_tx_segments *")
             self.tx_more = self.native.ffi.buffer(self.tx_segments.more)
@@ -851,7 +863,7 @@ class Device:
         While the peer streams an RDMA Write or Read Responses, runs of their
         segments go to the compiled lane (``_place_run``), and so do Sends
         (all of a plain Send's segments; a Send with Invalidate's but its
-        last).  The datagrams it does not take go
+        last) and Read and atomic requests.  The datagrams it does not take go
         through the link one by one, and whatever they deliver is dispatched
         at once: a later segment must not be placed before an earlier
         message has had its effect (a Send with Invalidate, say).
@@ -881,10 +893,23 @@ class Device:
         view = memoryview(data)
         budget = self.config.rx_dispatch_budget or n
         while off < n:
-            if pl.rx_hint is not None:
-                off += self._place_run(pl, data, off, seg, now, arrived)
+            hint = pl.rx_hint
+            if hint is not None:
+                used = self._place_run(pl, data, off, seg, now, arrived)
+                off += used
                 if off >= n:
                     break
+                if used and self._rx_run.ended:
+                    # A message ended the run (a Send, a Read, a request):
+                    # the next may be another, for the lane again.  A
+                    # request's answer is this pass's work, as on the
+                    # Python path, so it counts against the budget.
+                    if hint[2] in _ANSWERED_BY_DAEMON:
+                        budget -= 1
+                        if not budget:
+                            self._rx_rest = (pl, data, off, seg, arrived)
+                            return
+                    continue
             link.datagram_received(view[off:off + seg], now, arrived)
             off += seg
             for msg in link.drain_received():
@@ -896,8 +921,8 @@ class Device:
 
     def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float) -> int:
         """Place the run of RDMA Write (or Read Response, or Send) segments
-        at ``data[off:]`` that the compiled lane accepts; return the bytes it
-        consumed (0: none).
+        at ``data[off:]`` that the compiled lane accepts, or take the one
+        Read or atomic request there; return the bytes it consumed (0: none).
 
         What the lane does not check, checked here once per call: the
         hinted QP still receives on this link; for a Write, the STag still
@@ -905,16 +930,28 @@ class Device:
         Response, it is the sink STag of the Read at the ORRQ head, whose
         sink is one SGE; for a Send, a receive of one SGE is under way and
         no RNR NACK or Immediate Data is pending (the MSN and the message
-        offset the lane checks against the QP's).
+        offset the lane checks against the QP's).  A request the QP answers
+        as the Python path does, with all of that path's checks.
         """
         qp, stag, op = pl.rx_hint  # type: ignore[misc]
         if qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
             pl.rx_hint = None
             return 0
         r = self._rx_run
-        r.untagged = 0
+        r.untagged = r.qn = r.whole = r.last_fills = 0
         r.last_ends = op != _OP_WRITE
-        if op == _OP_READ_RESPONSE:
+        request = _REQUEST_LANE.get(op)
+        if request is not None:
+            # A Read or atomic request: the lane checks its packet and its
+            # header (queue, MSN, one whole segment of the request's size)
+            # and copies its body aside; the QP answers it below, from the
+            # datagram, as the Python path does.
+            r.ctrl_more, r.rctl, r.ctrl_last, r.qn, r.length = request
+            view, start = self._rx_scratch, 0
+            r.base, r.sequential, r.next_to = 0, 1, 0
+            r.untagged = r.whole = r.last_fills = 1
+            r.msn = qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn
+        elif op == _OP_READ_RESPONSE:
             # Read Responses into the ORRQ head's sink, in order; the last
             # one (which must fill the sink) ends the run.  Each Read has a
             # sink STag of its own: the lane expects the head's, not the
@@ -926,6 +963,7 @@ class Device:
             stag = rd.wr.sink_stag
             view, start, _ = rd.gather.pieces[0]
             r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
+            r.last_fills = 1
             r.ctrl_more, r.rctl, r.ctrl_last = _READ_RESPONSE_CTRL
         elif op != _OP_WRITE:
             # A receive under way, or the next posted one for a Send that
@@ -974,6 +1012,15 @@ class Device:
                                    r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
             if op == _OP_WRITE:
                 qp.rx_write_bytes += r.bytes
+            elif request is not None:
+                # one whole segment: the run ended with it
+                n = min(seg, len(data) - off)
+                raw = memoryview(data)[off + _SEGMENT_AT:off + n - _CRC_LEN]
+                qp.on_request(op, r.msn, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+                self.stats["rx_native_requests"] += 1
+                self.qp_changed(qp)  # the answer goes this pass
+                self.stats["rx_native_datagrams"] += k
+                return n
             elif op == _OP_READ_RESPONSE:
                 rd.placed += r.bytes
                 if r.ended:
@@ -1231,7 +1278,10 @@ class Device:
                         raw = raw[:-envelope.FLOW_ACK_LEN]
                     qp.on_segment(hdr, payload, raw, env.flags)
                     op = hdr.opcode
-                    if op not in _ANSWERED_BY_DAEMON:
+                    if op in _ANSWERED_BY_DAEMON:
+                        if self.native is not None:
+                            pl.rx_hint = (qp, 0, op)  # the next request
+                    else:
                         self._delivered = True
                         if self.native is not None:
                             if op == _OP_WRITE or op == _OP_READ_RESPONSE:

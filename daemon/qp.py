@@ -520,6 +520,7 @@ class QueuePair:
         self._write_packer: Any = None
         self._write_packer_dest = -1
         self.rx_atomic_msn = 1
+        self.rx_read_msn = 1  # the MSN of the next Read Request (queue 1), as the compiled lane expects it
         self.atomic_replay: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self.terminated = False
 
@@ -1097,10 +1098,8 @@ class QueuePair:
                 self._on_immediate(hdr, payload, raw)
             else:
                 self._on_send(hdr, payload, raw, flags)
-        elif op == Opcode.RDMA_READ_REQUEST:
-            self._on_read_request(payload, raw)
-        elif op == Opcode.ATOMIC_REQUEST:
-            self._on_atomic_request(hdr, payload, raw)
+        elif op == Opcode.RDMA_READ_REQUEST or op == Opcode.ATOMIC_REQUEST:
+            self.on_request(op, hdr.msn, payload, raw)
         elif op == Opcode.ATOMIC_RESPONSE:
             self._on_atomic_response(payload, raw)
         elif op == Opcode.TERMINATE:
@@ -1108,6 +1107,21 @@ class QueuePair:
         else:  # pragma: no cover - the decoder admits no other opcode
             self._terminate(rdmap.RdmapErrorCode.UNEXPECTED_OPCODE, raw, len(payload),
                             etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
+
+    def on_request(self, op: int, msn: int, payload: memoryview, raw: memoryview) -> None:
+        """A Read Request or an Atomic Request, message ``msn`` of its queue:
+        check it and queue its answer (the Python path's segment, or one the
+        compiled lane took whole: ``raw`` from the DDP header, as for
+        :meth:`on_segment`)."""
+        if op == Opcode.RDMA_READ_REQUEST:
+            # Where the compiled lane expects the next one.  This path does
+            # not hold a request to it (the link delivers in order): one
+            # the lane refuses for its MSN is answered here, as before the
+            # lane took requests.
+            self.rx_read_msn = (msn + 1) & _U32
+            self._on_read_request(payload, raw)
+        else:
+            self._on_atomic_request(msn, payload, raw)
 
     def _on_read_request(self, payload: memoryview, raw: memoryview) -> None:
         try:
@@ -1291,7 +1305,7 @@ class QueuePair:
                              imm & _U32, WcFlags.IBV_WC_WITH_IMM, solicited=solicited)
         self.rx_write_bytes = 0
 
-    def _on_atomic_request(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
+    def _on_atomic_request(self, msn: int, payload: memoryview, raw: memoryview) -> None:
         """RFC 7306 §5: apply an atomic to an 8-byte word and queue its response.
 
         The data loop is one thread, so an atomic is indivisible with respect to
@@ -1303,7 +1317,6 @@ class QueuePair:
             self._terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload),
                             etype=rdmap.RdmapErrorType.REMOTE_OPERATION)
             return
-        msn = hdr.msn
         if msn != self.rx_atomic_msn:
             cached = self.atomic_replay.get(msn)
             if cached is None:

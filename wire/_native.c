@@ -179,13 +179,19 @@ typedef struct {
     uint32_t peeked;
     uint32_t next_w0, next_w1, next_stag;
     uint8_t next_ctrl, next_rctl;
-    /* last_ends (Sends, Read Responses): a message's last segment ends the
-       run (`ended`), so that the caller completes the receive or the Read
-       before anything later is placed; a Read Response's last must fill the
-       sink (`length`) exactly.  If a Send's last segment had FLOW_ACK in its
-       envelope, its trailer's Modified ACK MSN */
+    /* last_ends (Sends, Read Responses, requests): a message's last
+       segment ends the run (`ended`), so that the caller completes the
+       receive or the Read, or answers the request, before anything later
+       is placed.  If a Send's last segment had FLOW_ACK in its envelope,
+       its trailer's Modified ACK MSN */
     uint32_t last_ends;
     uint32_t ended, flow_ack, flow_ack_msn;
+    /* untagged: the queue number (0 Sends, 1 Read Requests, 3 atomic
+       requests; only queue 0 carries a Modified ACK); last_fills: the
+       message's last segment must fill the buffer exactly (a Read
+       Response's sink, a request's fixed-size body); whole: every segment
+       is a whole message (the last), as RDMAP's requests are */
+    uint32_t qn, last_fills, whole;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem) {
@@ -215,7 +221,8 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         /* the one envelope flag taken: a Send's last segment may carry a
            Modified ACK in a trailer */
         int ends = takes_last && e[8] == r->ctrl_last;
-        int carries = ends && r->untagged && be32(e + 4) == (r->w1 | (uint32_t)FLOW_ACK_FLAG << 24);
+        int carries = ends && r->untagged && r->qn == 0 && be32(e + 4) == (r->w1 | (uint32_t)FLOW_ACK_FLAG << 24);
+        if (r->whole && !ends) break;
         if (be32(e) != r->w0 || (be32(e + 4) != r->w1 && !carries) || e[9] != r->rctl ||
             (e[8] != r->ctrl_more && e[8] != r->ctrl_last) || be32(e + 10) != r->stag) {
             r->peeked = 1;
@@ -228,7 +235,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         }
         uint64_t to;
         if (r->untagged) {
-            if (be32(e + 14) != 0 || be32(e + 18) != r->msn) break; /* QN, MSN */
+            if (be32(e + 14) != r->qn || be32(e + 18) != r->msn) break; /* QN, MSN */
             to = be32(e + 22);                                       /* MO */
         } else {
             to = be64(e + 14); /* TO */
@@ -242,7 +249,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         if (r->sequential && to != r->next_to) break;
         uint64_t o = to - r->base;
         if (o > r->length || plen > r->length - o) break;
-        if (ends && !r->untagged && plen != r->length - o) break; /* a Read's last response ends short */
+        if (ends && r->last_fills && plen != r->length - o) break; /* a Read's last response ends short */
         memcpy(mem + o, e + prefix, plen);
         if (k == 0) {
             r->first_ack = ack;

@@ -26,7 +26,11 @@ daemon completes the Read or the receive before anything later is placed;
 a Read's last response must fill its sink, and a Send's may carry a
 Modified ACK (``flow_ack``, ``flow_ack_msn``).  A Send with Invalidate's
 last segment (the STag is invalidated first) and Immediate Data stay in
-Python.
+Python.  Read and atomic requests (``whole``: one segment each, the last;
+``qn`` 1 or 3; ``last_fills``: of the request's own size) are checked
+and copied aside, each ending the run, and the daemon answers them from
+the datagram with the Python path's own checks: what the lane saves is
+the link's per-datagram Python and the segment's decoding.
 
 The send lane is the mirror image, in two steps that keep the link's
 decisions where they are.  ``udpv_tx_bodies`` builds the bodies of a run of
@@ -95,6 +99,7 @@ typedef struct {
     uint8_t next_ctrl, next_rctl;
     uint32_t last_ends;
     uint32_t ended, flow_ack, flow_ack_msn;
+    uint32_t qn, last_fills, whole;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem);

@@ -28,7 +28,7 @@ from udpverbs.transport.sockbuf import skb_truesize
 from udpverbs.wire import ctl, shm
 from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
 
-ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ
+ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ | A.IBV_ACCESS_REMOTE_ATOMIC
 MR_LEN = 1 << 20
 
 
@@ -95,19 +95,20 @@ class Host:
     def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int,
                    rkey: int | None = None, *, sges: list[tuple[int, int]] | None = None,
                    opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE, qp: QueuePair | None = None,
-                   imm: int = 0) -> None:
+                   imm: int = 0, compare_add: int = 0, swap: int = 0) -> None:
         """RDMA Write of ``length`` bytes from our MR at ``src_off`` to ``peer``'s at ``dst_off``
         (``rkey`` overrides the peer MR's STag; ``sges``, (offset, length) pairs
         in our MR, replace ``src_off`` and ``length``; ``opcode`` RDMA Read: from
         the peer's MR into ours; ``qp``: another of our QPs than QP 1; ``imm``:
-        the WQE's immediate data or, for a Send with Invalidate, the STag)."""
+        the WQE's immediate data or, for a Send with Invalidate, the STag;
+        ``compare_add``, ``swap``: an atomic's operands)."""
         ring = (qp or self.qp).sq
         ring.prod = ring.hdr.producer
         at = ring.next_slot_offset()
         sges = sges or [(src_off, length)]
         shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(opcode),
                                     int(shm.SendFlags.IBV_SEND_SIGNALED), len(sges), imm,
-                                    peer.mr.stag if rkey is None else rkey, 0, 0, 0)
+                                    peer.mr.stag if rkey is None else rkey, 0, compare_add, swap)
         for i, (off, n) in enumerate(sges):
             shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET + i * shm.SGE_SIZE, self.mr.addr + off, n,
                               self.mr.stag)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -141,19 +142,20 @@ def _link_state(pl: object) -> tuple[object, ...]:
 def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: int = 0,
          gro: float = 0.7, reply_len: int = 30_000, reads: int = 0,
          forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None,
-         answers: int = 0) -> Iterator[tuple[Host, Host]]:
+         answers: int = 0, requests: list[str] | None = None) -> Iterator[tuple[Host, Host]]:
     """A writes ``writes`` to both receivers, which write ``replies`` Writes back (so
     the ACK field of A's datagrams moves while A's own Writes stream) and post
     ``reads`` RDMA Reads of A's memory (whose Read Responses the lane places
     too; ``forge_to`` moves the tagged offset of the tenth one by that much)
     and Send A ``answers`` short messages (whose Modified ACKs A's later
-    Sends carry); then A Sends ``sends`` (see ``_post_sends``); yields A and
-    the receiver with the lane."""
+    Sends carry); then A Sends ``sends`` (see ``_post_sends``) and asks the
+    receivers ``requests`` (see ``_post_requests``); yields A and the
+    receiver with the lane."""
     hosts = [Host("127.0.0.2", gso=False), Host("127.0.0.3", gso=False, native=True),
              Host("127.0.0.3", gso=False, native=False)]  # the same seed: same tags, ISNs, STags
     try:
         yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len, reads, forge_to,
-                        sends or [], answers)
+                        sends or [], answers, requests or [])
     finally:
         for h in hosts:
             h.close()
@@ -208,10 +210,32 @@ def _post_sends(a: Host, receivers: tuple[Host, Host], first_wr_id: int,
         a.post_write(first_wr_id + i, _send_source(i), length, receivers[0], 0, opcode=_SEND_KIND[kind], imm=imm)
 
 
+_REQUEST_KIND = {"read": WrOpcode.IBV_WR_RDMA_READ, "bad_stag": WrOpcode.IBV_WR_RDMA_READ,
+                 "fetch_add": WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, "cmp_swap": WrOpcode.IBV_WR_ATOMIC_CMP_AND_SWP}
+
+
+def _post_requests(rng: random.Random, a: Host, receiver: Host, first_wr_id: int, requests: list[str]) -> None:
+    """A posts an RDMA Read of the receivers' memory (up to 3,000 bytes; or
+    of an STag they do not have: "bad_stag") or an atomic on an 8-byte word
+    of it per kind in ``requests``, the answers into the second half of
+    A's memory, which nothing else uses."""
+    for i, kind in enumerate(requests):
+        dst = MR_LEN // 2 + 4096 * i
+        if kind in ("read", "bad_stag"):
+            length, src = rng.randrange(1, 3000), rng.randrange(MR_LEN - 3000)
+        else:
+            length, src = 8, 8 * rng.randrange(MR_LEN // 8)
+        rkey = receiver.mr.stag + (1 << 8) if kind == "bad_stag" else None
+        # a Compare-and-Swap that compares with the word's own value swaps
+        compare = int.from_bytes(receiver.mr.view[src:src + 8], sys.byteorder) if rng.random() < 0.5 else 0
+        a.post_write(first_wr_id + i, dst, length, receiver, src, rkey, opcode=_REQUEST_KIND[kind],
+                     compare_add=compare if kind == "cmp_swap" else rng.randrange(1 << 64), swap=rng.randrange(1 << 64))
+
+
 def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[tuple[int, int, str]],
               loss: float, replies: int, gro: float, reply_len: int, reads: int = 0,
               forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None,
-              answers: int = 0) -> tuple[Host, Host]:
+              answers: int = 0, requests: list[str] | None = None) -> tuple[Host, Host]:
     assert fast.dev.native is not None and slow.dev.native is None
     clock, pa, pf, ps = _twins(a, fast, slow)
     a.mr.view[:] = rng.randbytes(MR_LEN)
@@ -237,6 +261,8 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         if kind == "past_end":
             dst = MR_LEN - length // 2 - 1
         a.post_write(i, 0, length, fast, dst, rkey=rkey)
+    requests = requests or []
+    _post_requests(rng, a, fast, 700, requests)
     sends = sends or []
     late: list[tuple[int, int]] = []
     replies += len(sends)  # each receive completes, well or not
@@ -275,7 +301,8 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
         replied = fast.cqes()
         assert replied == slow.cqes()  # every field: opcode, byte_len, wc_flags, QPNs...
         replies -= len(replied)
-        if len(done) == len(writes) + len(sends) + answers and replies <= 0 or a.qp.state == S.IBV_QPS_ERR:
+        if (len(done) == len(writes) + len(sends) + answers + len(requests) and replies <= 0
+                or a.qp.state == S.IBV_QPS_ERR):
             break
     # both receivers ran the same datagrams to the same end
     assert bytes(fast.mr.view) == bytes(slow.mr.view)
@@ -283,7 +310,8 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
     assert pf.link.rcv_nxt == ps.link.rcv_nxt
     assert fast.qp.state == slow.qp.state and fast.qp.rx_write_bytes == slow.qp.rx_write_bytes
     assert (fast.qp.rx_msn, fast.qp.rx_placed) == (slow.qp.rx_msn, slow.qp.rx_placed)
-    lane = {k: fast.dev.stats.pop(k, 0) for k in ("rx_native_datagrams", "rx_native_sends", "rx_native_reads")}
+    lane = {k: fast.dev.stats.pop(k, 0)
+            for k in ("rx_native_datagrams", "rx_native_sends", "rx_native_reads", "rx_native_requests")}
     assert +fast.dev.stats == +slow.dev.stats
     fast.dev.stats.update(lane)
     return a, fast
@@ -298,15 +326,29 @@ _SEND = st.tuples(st.one_of(st.integers(0, 1400), st.integers(1, 60_000)),
                   st.sampled_from(["ok", "ok", "imm", "inv", "too_long", "late"]))
 
 
+#: what A asks the receivers: Reads and atomics, and now and then a Read they must refuse
+_REQUEST = st.sampled_from(["read"] * 3 + ["fetch_add"] * 2 + ["cmp_swap"] * 2 + ["bad_stag"])
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), writes=st.lists(_WRITE, min_size=1, max_size=5),
        loss=st.sampled_from([0.0, 0.02, 0.1]), replies=st.integers(0, 3), reads=st.integers(0, 2),
-       sends=st.lists(_SEND, max_size=4), answers=st.integers(0, 2))
+       sends=st.lists(_SEND, max_size=4), answers=st.integers(0, 2), requests=st.lists(_REQUEST, max_size=4))
 def test_the_lane_and_the_python_path_agree(seed: int, writes: list[tuple[int, int, str]], loss: float,
                                             replies: int, reads: int, sends: list[tuple[int, str]],
-                                            answers: int) -> None:
-    with _run(seed, writes, loss, replies, reads=reads, sends=sends, answers=answers):
+                                            answers: int, requests: list[str]) -> None:
+    with _run(seed, writes, loss, replies, reads=reads, sends=sends, answers=answers, requests=requests):
         pass
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_requests_go_through_the_lane(loss: float) -> None:
+    requests = ["read"] * 3 + ["fetch_add", "cmp_swap"] * 2
+    with _run(29, [(1, 0, "ok")], loss, requests=requests) as (a, fast):
+        assert fast.qp.state == S.IBV_QPS_RTS and a.qp.state == S.IBV_QPS_RTS
+        if not loss:
+            # all but the first Read and the first atomic, which set the hint
+            assert fast.dev.stats["rx_native_requests"] == len(requests) - 2
 
 
 @pytest.mark.parametrize("delta", [1, -1448, 1 << 20, "overrun", "ctrl zero"])
@@ -479,6 +521,8 @@ def test_single_segment_sends_and_the_acks_they_carry_go_through_the_lane() -> N
 async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_them() -> None:
     # A one-segment Read Response is first and last at once; each Read has a
     # sink STag of its own, so the lane follows the ORRQ head, not the hint.
+    # The responder takes the Read Requests through the lane too, and
+    # answers each in the pass that takes it.
     a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
     try:
         a.connect(b)
@@ -497,6 +541,7 @@ async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_the
             assert done == [(i, 0)]
         assert bytes(a.mr.view[128:138]) == bytes(range(1, 11))
         assert a.dev.stats["rx_native_reads"] == 4  # all but the first, which sets the hint
+        assert b.dev.stats["rx_native_requests"] == 4  # likewise
     finally:
         a.close()
         b.close()

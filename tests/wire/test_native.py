@@ -51,24 +51,30 @@ def _datagram(i: int, *, ptype: int = PacketType.DATA, tag: int = TAG, seq_off: 
 
 def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
          next_to: int | None = None, send: bool = False, length: int = LENGTH,
-         send_op: int = Opcode.SEND, read: bool = False) -> tuple[int, object, bytearray]:
+         send_op: int = Opcode.SEND, read: bool = False, request: int = 0) -> tuple[int, object, bytearray]:
     """Run the lane over ``datagrams``; with ``next_to``, in sequential mode
     from that offset; with ``send``, untagged: a Send (``send_op``) of MSN
     ``MSN`` into a receive of ``length`` bytes; with ``read``, Read Responses
-    into a sink of ``length`` bytes at ``BASE`` (both as daemon/device.py sets them up)."""
+    into a sink of ``length`` bytes at ``BASE``; with ``request``, requests
+    of that opcode, MSN ``MSN`` (all as daemon/device.py sets them up)."""
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     r = ffi.new("udpv_rx_run *")
     r.conn_tag, r.seq, r.max_count = TAG, ISN, max_count
     r.w0, r.w1 = (1 << 24) | QPN, PEER_QPN
-    if send:
+    if request:
+        r.ctrl_more, r.rctl, r.ctrl_last, r.qn, length = device._REQUEST_LANE[request]
+        r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
+        r.last_ends = r.whole = r.last_fills = 1
+        next_to = 0
+    elif send:
         r.ctrl_more, r.rctl, r.ctrl_last = device._SEND_CTRL[send_op]
         r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
         r.last_ends = 1
         next_to = next_to or 0
     elif read:
         r.ctrl_more, r.rctl, r.ctrl_last = device._READ_RESPONSE_CTRL
-        r.stag, r.base, r.last_ends = STAG, BASE, 1
+        r.stag, r.base, r.last_ends, r.last_fills = STAG, BASE, 1, 1
         next_to = next_to or BASE
     else:
         r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
@@ -287,6 +293,45 @@ def test_a_read_s_last_response_ends_the_run_when_it_fills_the_sink() -> None:
 def test_a_send_longer_than_its_receive_ends_the_run() -> None:
     k, _, mem = _run([_send_datagram(i) for i in range(4)], send=True, length=3 * PAYLOAD - 1)
     assert k == 2 and not any(mem[2 * PAYLOAD:])
+
+
+def _request(i: int, *, opcode: int = Opcode.RDMA_READ_REQUEST, msn: int = MSN, last: bool = True, flags: int = 0,
+             size: int | None = None, trailer: bytes = b"", fill: int | None = None) -> bytes:
+    """Request ``i`` of a stream (link sequence ``ISN + i``), its body bytes
+    ``fill`` (default ``i``), the request's own size unless ``size``."""
+    return _send_datagram(i, opcode=opcode, msn=msn, mo=0, last=last, flags=flags, fill=fill,
+                          payload=rdmap.SINGLE_SEGMENT[opcode] if size is None else size, trailer=trailer)
+
+
+REQUEST_SPOILERS: dict[str, Callable[[], bytes]] = {
+    "other msn": lambda: _request(0, fill=1, msn=MSN + 1),
+    "queue 0": lambda: _respoil(_request(0, fill=1), lambda b: b.__setitem__(slice(14, 18), b"\0\0\0\0")),
+    "the atomic queue": lambda: _respoil(_request(0, fill=1), lambda b: b.__setitem__(slice(14, 18), b"\0\0\0\3")),
+    "not the last": lambda: _request(0, fill=1, last=False),
+    "a byte short": lambda: _request(0, fill=1, size=rdmap.READ_REQUEST_LEN - 1),
+    "a byte long": lambda: _request(0, fill=1, size=rdmap.READ_REQUEST_LEN + 1),
+    "a modified ack": lambda: _request(0, fill=1, flags=_FLOW_ACK, trailer=b"\0\0\0\1"),
+    "an invalidate stag": lambda: _respoil(_request(0, fill=1), lambda b: b.__setitem__(slice(10, 14), b"\0\0\1\0")),
+    "an atomic request": lambda: _request(0, fill=1, opcode=Opcode.ATOMIC_REQUEST),
+    "a send": lambda: _send_datagram(0, last=True, mo=0, payload=rdmap.READ_REQUEST_LEN, fill=1),
+}
+
+
+@pytest.mark.parametrize("op", [Opcode.RDMA_READ_REQUEST, Opcode.ATOMIC_REQUEST])
+def test_a_request_is_taken_whole_and_ends_the_run(op: int) -> None:
+    # the next one waits for the QP to answer this one (and for its MSN)
+    size = rdmap.SINGLE_SEGMENT[op]
+    k, r, mem = _run([_request(0, opcode=op, fill=7), _request(1, opcode=op, msn=MSN + 1)], request=op)
+    assert k == 1 and r.ended == 1 and r.flow_ack == 0 and r.bytes == size
+    assert bytes(mem[:size]) == b"\x07" * size and not any(mem[size:])
+
+
+@pytest.mark.parametrize("spoil", sorted(REQUEST_SPOILERS))
+def test_a_request_the_lane_does_not_take_stays_out(spoil: str) -> None:
+    # the body's bytes are 1, so anything copied would show
+    assert _run([_request(0, fill=1)], request=Opcode.RDMA_READ_REQUEST)[0] == 1
+    k, r, mem = _run([REQUEST_SPOILERS[spoil]()], request=Opcode.RDMA_READ_REQUEST)
+    assert k == 0 and r.ended == 0 and not any(mem)
 
 
 def test_crc32c_matches_the_crc32c_package() -> None:
