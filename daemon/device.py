@@ -171,7 +171,7 @@ _RX_BUF = 1 << 16
 _ERR = S.IBV_QPS_ERR
 _BY_RANK = operator.attrgetter("rank")
 _RNR_UNTIL = operator.attrgetter("rnr_until")
-_FLOW_ACK_HOLD = operator.attrgetter("flow_ack_hold")
+_FLOW_ACK_HOLD = operator.attrgetter("flow_hold.until")
 
 
 class QPTable(dict):  # type: ignore[type-arg]

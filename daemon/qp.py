@@ -62,6 +62,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ..transport.ackhold import AckHold
 from ..wire import envelope, flow, rdmap, segment, shm
 from ..wire.envelope import Kind
 from ..wire.flow import FlowMessage, FlowType
@@ -508,14 +509,11 @@ class QueuePair:
         self.rx_rnr = False  # NACKed rx_msn: drop queue-0 messages until it comes again from MO 0
         self.rx_resume_sent = False
         self.flow_ack_due = False
-        # Our answers carry our Modified ACKs (envelope FLOW_ACK): this QP
-        # sends a Send soon after it takes one, so an owed ACK waits for it
-        # until flow_ack_hold (the link's delayed-ACK time) instead of
-        # leaving alone at once, as TCP's delayed ACK waits for the reply.
-        self.flow_answers = False
-        self.flow_ack_hold: float | None = None
-        # a Send before this time could have carried the ACK that last left alone
-        self.flow_answer_by = float("-inf")
+        # Our answers carry our Modified ACKs (envelope FLOW_ACK): once this
+        # QP is seen to Send soon after it takes a Send, an owed ACK waits
+        # for the answer (up to the link's delayed-ACK time) instead of
+        # leaving alone at once (transport/ackhold.py).
+        self.flow_hold = AckHold()
         # the Write segment header packer for the current peer QP (segment.tagged_packer)
         self._write_packer: Any = None
         self._write_packer_dest = -1
@@ -913,11 +911,8 @@ class QueuePair:
             if carry:
                 envelope.pack_flow_ack_into(buf, _UNTAGGED_PREFIX + n, self.rx_msn)
                 self.flow_ack_due = False
-                self.flow_ack_hold = None
-                self.flow_answers = True
                 self.device.stats["flow_ack_carried"] += 1
-            elif self.device.now <= self.flow_answer_by:
-                self.flow_answers = True  # this Send could have carried the ACK that just left alone
+            self.flow_hold.answered(self.device.now, carry)
         # A Send completes on the peer's Modified ACK, not on the link's ACK:
         # the link need not ask for one at once (the Modified ACK carries it).
         self.link.send(buf, ack_now=False)
@@ -974,17 +969,16 @@ class QueuePair:
         if self.flow_ack_due:
             now = self.device.now
             delay = self.link.link.config.max_ack_delay_s if self.link is not None else 0.0
-            if self.flow_answers:
-                if self.flow_ack_hold is None:
-                    self.flow_ack_hold = now + delay
-                    self.device.flow_ack_holding.add(self)
-                elif now >= self.flow_ack_hold:
-                    self.flow_answers = False  # no answer in time: ACK at once until one comes quickly again
-                    self.device.stats["flow_ack_hold_expired"] += 1
-            if not self.flow_answers:
+            hold = self.flow_hold
+            held = hold.until is not None
+            if held and now >= hold.until:  # type: ignore[operator]
+                hold.stop()  # no answer in time: ACK at once until one comes quickly again
+                self.device.stats["flow_ack_hold_expired"] += 1
+            if hold.owe(now, delay):
+                if not held:
+                    self.device.flow_ack_holding.add(self)  # its deadline counts in the loop's sleep
+            else:
                 self.flow_ack_due = False
-                self.flow_ack_hold = None
-                self.flow_answer_by = now + delay
                 self._send_flow(FlowType.ACK, self.rx_msn)
         if self.rx_rnr and not self.rx_resume_sent:
             try:

@@ -51,7 +51,8 @@ the ACK rides on the answer, and neither side spends a datagram and a pass
 on an ACK alone.  A hold that runs out sends the ACK and ends the holding
 until an answer comes in time again, so a peer whose messages we never
 answer waits for an ACK once, not each time (``ack_holds_expired``).  An
-answer queued with ``send(ack_carrier=False)`` ends the holding too.
+answer queued with ``send(ack_carrier=False)`` ends the holding too.  The
+rule is ``ackhold.py``'s, which a QP's Modified ACK follows as well.
 
 Timestamps and the echo rule: every packet carries ``ts_us`` (our clock, µs
 mod 2**32).  ``ts_echo_us`` returns the ts of the latest packet received from
@@ -84,6 +85,7 @@ from typing import Any
 
 from ..wire import link as wl
 from ..wire.errors import WireError
+from .ackhold import AckHold
 from .congestion.base import INF, create
 from .pacer import Pacer
 from .recovery import Recovery, RttEstimator
@@ -299,9 +301,8 @@ class Link:
         self._ack_count = 0
         self._ack_now = False
         self._ack_deadline: float | None = None
-        self._ack_held = False  # an ACK_NOW ACK waits (until _ack_deadline) for our DATA to carry it
-        self._answers = False  # our DATA followed the last ACK_NOW packet within max_ack_delay_s
-        self._answer_by = -INF  # DATA sent by then could have carried the ACK that left alone
+        # an ACK_NOW ACK may wait (until _ack_deadline too) for our DATA to carry it
+        self._hold = AckHold()
         self._poor_carrier = False  # a message queued with ack_carrier=False has not left yet
         self._last_rx_ts = 0
         self._last_rx_time = 0.0
@@ -511,16 +512,14 @@ class Link:
         the ACK for our answer (see the module docstring).  Never held when
         another rule already ACKs at once (a filled hole, say): the hold
         would only count as expired and stop the holding."""
-        hold = self.config.max_ack_delay_s
-        if self._answers and not self._ack_now and not flags & _RETX and not self.recovery.has_inflight():
-            if not self._ack_held:
-                self._ack_held = True
-                d = now + hold
-                if self._ack_deadline is None or d < self._ack_deadline:
-                    self._ack_deadline = d
+        hold_s = self.config.max_ack_delay_s
+        h = self._hold
+        if not self._ack_now and not flags & _RETX and not self.recovery.has_inflight() and h.owe(now, hold_s):
+            if self._ack_deadline is None or h.until < self._ack_deadline:  # type: ignore[operator]
+                self._ack_deadline = h.until
             return
         self._ack_now = True
-        self._answer_by = now + hold
+        h.answer_by = now + hold_s
 
     def _handshake_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:
         stats = self.stats
@@ -1018,12 +1017,9 @@ class Link:
                 # Such a message left (or is leaving): not an answer worth holding for.
                 if self._snd_nxt >= self._next_n:
                     self._poor_carrier = False
-                self._answers = self._ack_held = False
-            elif self._ack_held:
-                self._ack_held = False  # carried, as hoped
-            elif now <= self._answer_by:
-                self._answers = True  # could have carried the ACK that left alone: hold the next
-                self._answer_by = -INF
+                self._hold.stop()
+            else:
+                self._hold.answered(now, self._hold.until is not None)  # a held ACK: carried, as hoped
             if self._rto_deadline is None:
                 self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff
         elif self._ack_now or (self._ack_deadline is not None and now >= self._ack_deadline):
@@ -1032,11 +1028,10 @@ class Link:
             self._ack_count = 0
             self._ack_now = False
             self._ack_deadline = None
-            if self._ack_held:
+            if self._hold.until is not None:
                 # The hold ran out (or something else needed an ACK first):
                 # ACK at once until an answer comes in time again.
-                self._ack_held = False
-                self._answers = False
+                self._hold.stop()
                 stats.ack_holds_expired += 1
         elif self._ack_count and self._ack_deadline is None:
             self._ack_deadline = now + self.config.max_ack_delay_s

@@ -66,9 +66,9 @@ async def test_a_send_ping_pong_sends_one_message_per_hop(autojump_clock) -> Non
         for h in (a, b):
             h.post_recv(0, 4096, 64)
         _exchange(a, b, 0, answer=True)  # b's answer follows its ACK closely: from now on it carries it
-        assert b.qp.flow_answers
+        assert b.qp.flow_hold.answers
         _exchange(a, b, 1, answer=True)  # ... and a's next Send follows a's ACK of b's answer
-        assert a.qp.flow_answers
+        assert a.qp.flow_hold.answers
         acks = [h.qp.link.link.stats.acks_sent for h in (a, b)]
         b_done: list[tuple[int, int]] = b.completions()
         for i in range(2, 7):
@@ -86,8 +86,8 @@ async def test_a_send_ping_pong_sends_one_message_per_hop(autojump_clock) -> Non
         assert b.dev.stats["flow_ack_carried"] >= 5
         assert [h.qp.link.link.stats.acks_sent for h in (a, b)] == acks  # no link ACK of their own either
         # a's last Send was answered, so a owes b an ACK, held for a's next Send
-        assert a.qp.flow_ack_due and a.qp.flow_ack_hold is not None
-        assert a.dev.next_deadline() <= a.qp.flow_ack_hold
+        assert a.qp.flow_ack_due and a.qp.flow_hold.until is not None
+        assert a.dev.next_deadline() <= a.qp.flow_hold.until
 
 
 async def test_a_send_nobody_answers_is_acked_at_once(autojump_clock) -> None:
@@ -101,7 +101,7 @@ async def test_a_send_nobody_answers_is_acked_at_once(autojump_clock) -> None:
             # no sleep: b's ACK left in the pass that placed the Send
             _turn(a, b, until=lambda: done.extend(a.completions()) or done)
             assert done == [(100 + i, W.IBV_WC_SUCCESS)]
-            assert _data_sent(b) - sent_b == 1 and not b.qp.flow_answers
+            assert _data_sent(b) - sent_b == 1 and not b.qp.flow_hold.answers
         assert b.dev.stats["flow_ack_carried"] == 0
 
 
@@ -110,22 +110,22 @@ async def test_a_late_answer_lets_the_held_ack_go_alone(autojump_clock) -> None:
         for h in (a, b):
             h.post_recv(0, 4096, 64)
         _exchange(a, b, 0, answer=True)
-        assert b.qp.flow_answers
+        assert b.qp.flow_hold.answers
         # a Sends; b places it and holds its ACK for an answer that does not come
         _exchange(a, b, 1, answer=False)
-        assert b.qp.flow_ack_due and b.qp.flow_ack_hold is not None
+        assert b.qp.flow_ack_due and b.qp.flow_hold.until is not None
         for _ in range(5):
             a.dev.poll_once()
             b.dev.poll_once()
         assert a.completions() == []  # still held
         delay = b.qp.link.link.config.max_ack_delay_s
-        assert b.dev.next_deadline() == b.qp.flow_ack_hold
+        assert b.dev.next_deadline() == b.qp.flow_hold.until
         await trio.sleep(delay)
         done: list[tuple[int, int]] = []
         _turn(b, a, until=lambda: done.extend(a.completions()) or done)
         assert done == [(101, W.IBV_WC_SUCCESS)]
         assert b.dev.stats["flow_ack_hold_expired"] == 1
-        assert not b.qp.flow_answers and not b.qp.flow_ack_due  # ACKs go at once again
+        assert not b.qp.flow_hold.answers and not b.qp.flow_ack_due  # ACKs go at once again
         # The next Send is ACKed in the pass that places it, with no wait.
         _exchange(a, b, 2, answer=False)
         assert not b.qp.flow_ack_due
