@@ -319,7 +319,10 @@ class _Gather:
 
     def __init__(self, pieces: list[tuple[memoryview, int, int]]) -> None:
         self.pieces = pieces
-        self.total = sum(p[2] for p in pieces)
+        total = 0
+        for p in pieces:  # a generator under sum() cost 0.17 µs of every WQE's and receive's resolution
+            total += p[2]
+        self.total = total
         self.idx = 0
         self.off = 0
 
