@@ -47,8 +47,14 @@ class AckHold:
             if self.until is None:
                 self.until = now + hold_s
             return True
-        self.answer_by = now + hold_s
+        self.acking_now(now, hold_s)
         return False
+
+    def acking_now(self, now: float, hold_s: float) -> None:
+        """The owed acknowledgment leaves now, not held (by this rule, or
+        by another of the owner's): an answer by ``now + hold_s`` could
+        have carried it."""
+        self.answer_by = now + hold_s
 
     def answered(self, now: float, carried: bool) -> None:
         """An answer of ours left; ``carried``: with the owed acknowledgment."""

@@ -519,7 +519,7 @@ class Link:
                 self._ack_deadline = h.until
             return
         self._ack_now = True
-        h.answer_by = now + hold_s
+        h.acking_now(now, hold_s)
 
     def _handshake_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:
         stats = self.stats
