@@ -126,13 +126,16 @@ _SEND_CTRL = {int(op): (ctrl, rctl, rdmap.UNTAGGED_CONTROL[op, True][0] if op in
 #: their arrival is no reason to yield the vCPU (measured on read_lat: the
 #: responder lost ~25 µs per Read to the yield)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
+_OP_ATOMIC_RESPONSE = int(Opcode.ATOMIC_RESPONSE)
 # ... and the lane takes them whole, one per run, each of its fixed size
-# (RFC 5040 §4.4, RFC 7306 §5.2) on its own queue: (DDP control of a
-# segment that is not the last, RDMAP control, DDP control of the last,
-# QN, body length)
+# (RFC 5040 §4.4, RFC 7306 §5.2) on its own queue, and so the Atomic
+# Responses that answer ours (RFC 7306 §5.3): (DDP control of a segment
+# that is not the last, RDMAP control, DDP control of the last, QN, body
+# length)
 _REQUEST_LANE = {int(op): (*rdmap.UNTAGGED_CONTROL[op, False][:2], *rdmap.UNTAGGED_CONTROL[op, True][::2],
-                           rdmap.SINGLE_SEGMENT[op]) for op in _ANSWERED_BY_DAEMON}
+                           rdmap.SINGLE_SEGMENT[op]) for op in (*_ANSWERED_BY_DAEMON, _OP_ATOMIC_RESPONSE)}
 _OP_READ_REQUEST = int(Opcode.RDMA_READ_REQUEST)
+_OP_ATOMIC_REQUEST = int(Opcode.ATOMIC_REQUEST)
 #: where a segment's DDP header starts in a link packet, and how much follows its payload
 _SEGMENT_AT = wire_link.HEADER_LEN + envelope.ENVELOPE_LEN
 _CRC_LEN = wire_link.CRC_LEN
@@ -486,7 +489,7 @@ class Device:
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
             # where the lane copies a request's body (the QP reads it from the datagram)
-            self._rx_scratch = bytearray(max(rdmap.SINGLE_SEGMENT[op] or 0 for op in _ANSWERED_BY_DAEMON))
+            self._rx_scratch = bytearray(max(lane[-1] for lane in _REQUEST_LANE.values()))
             # the send lane's segment headers, packed in place by wire/segment.py
             self.tx_segments = self.native.ffi.new("udpv_tx_segments *")
             self.tx_more = self.native.ffi.buffer(self.tx_segments.more)
@@ -863,7 +866,7 @@ class Device:
         While the peer streams an RDMA Write or Read Responses, runs of their
         segments go to the compiled lane (``_place_run``), and so do Sends
         (all of a plain Send's segments; a Send with Invalidate's but its
-        last) and Read and atomic requests.  The datagrams it does not take go
+        last), Read and atomic requests and Atomic Responses.  The datagrams it does not take go
         through the link one by one, and whatever they deliver is dispatched
         at once: a later segment must not be placed before an earlier
         message has had its effect (a Send with Invalidate, say).
@@ -922,7 +925,8 @@ class Device:
     def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float) -> int:
         """Place the run of RDMA Write (or Read Response, or Send) segments
         at ``data[off:]`` that the compiled lane accepts, or take the one
-        Read or atomic request there; return the bytes it consumed (0: none).
+        Read or atomic request, or Atomic Response, there; return the bytes
+        it consumed (0: none).
 
         What the lane does not check, checked here once per call: the
         hinted QP still receives on this link; for a Write, the STag still
@@ -930,8 +934,9 @@ class Device:
         Response, it is the sink STag of the Read at the ORRQ head, whose
         sink is one SGE; for a Send, a receive of one SGE is under way and
         no RNR NACK or Immediate Data is pending (the MSN and the message
-        offset the lane checks against the QP's).  A request the QP answers
-        as the Python path does, with all of that path's checks.
+        offset the lane checks against the QP's).  A request the QP answers,
+        and an Atomic Response it takes, as the Python path does, with all
+        of that path's checks.
         """
         qp, stag, op = pl.rx_hint  # type: ignore[misc]
         if qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
@@ -942,15 +947,16 @@ class Device:
         r.last_ends = op != _OP_WRITE
         request = _REQUEST_LANE.get(op)
         if request is not None:
-            # A Read or atomic request: the lane checks its packet and its
-            # header (queue, MSN, one whole segment of the request's size)
-            # and copies its body aside; the QP answers it below, from the
-            # datagram, as the Python path does.
+            # A Read or atomic request, or an Atomic Response: the lane
+            # checks its packet and its header (queue, MSN, one whole
+            # segment of its size) and copies its body aside; the QP takes
+            # it below, from the datagram, as the Python path does.
             r.ctrl_more, r.rctl, r.ctrl_last, r.qn, r.length = request
             view, start = self._rx_scratch, 0
             r.base, r.sequential, r.next_to = 0, 1, 0
             r.untagged = r.whole = r.last_fills = 1
-            r.msn = qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn
+            r.msn = (qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn if op == _OP_ATOMIC_REQUEST
+                     else qp.rx_atomic_resp_msn)
         elif op == _OP_READ_RESPONSE:
             # Read Responses into the ORRQ head's sink, in order; the last
             # one (which must fill the sink) ends the run.  Each Read has a
@@ -1016,9 +1022,14 @@ class Device:
                 # one whole segment: the run ended with it
                 n = min(seg, len(data) - off)
                 raw = memoryview(data)[off + _SEGMENT_AT:off + n - _CRC_LEN]
-                qp.on_request(op, r.msn, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
-                self.stats["rx_native_requests"] += 1
-                self.qp_changed(qp)  # the answer goes this pass
+                if op == _OP_ATOMIC_RESPONSE:
+                    qp.on_atomic_response(r.msn, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+                    self.stats["rx_native_atomic_responses"] += 1
+                    self._delivered = True  # the original value is in the application's memory
+                else:
+                    qp.on_request(op, r.msn, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+                    self.stats["rx_native_requests"] += 1
+                self.qp_changed(qp)  # the answer goes, or the WR completes, this pass
                 self.stats["rx_native_datagrams"] += k
                 return n
             elif op == _OP_READ_RESPONSE:
@@ -1286,6 +1297,8 @@ class Device:
                         if self.native is not None:
                             if op == _OP_WRITE or op == _OP_READ_RESPONSE:
                                 pl.rx_hint = (qp, hdr.stag, op)
+                            elif op == _OP_ATOMIC_RESPONSE:
+                                pl.rx_hint = (qp, 0, op)  # the next one
                             elif op in _SEND_CTRL and (qp.rx_recv is not None if not hdr.last
                                                        else op in _SEND_ENDS_IN_LANE):
                                 # the rest of this Send, or the next one

@@ -522,6 +522,7 @@ class QueuePair:
         self._write_packer_dest = -1
         self.rx_atomic_msn = 1
         self.rx_read_msn = 1  # the MSN of the next Read Request (queue 1), as the compiled lane expects it
+        self.rx_atomic_resp_msn = 1  # and of the next Atomic Response (queue 4)
         self.atomic_replay: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self.terminated = False
 
@@ -1098,7 +1099,7 @@ class QueuePair:
         elif op == Opcode.RDMA_READ_REQUEST or op == Opcode.ATOMIC_REQUEST:
             self.on_request(op, hdr.msn, payload, raw)
         elif op == Opcode.ATOMIC_RESPONSE:
-            self._on_atomic_response(payload, raw)
+            self.on_atomic_response(hdr.msn, payload, raw)
         elif op == Opcode.TERMINATE:
             self._on_terminate(payload)
         else:  # pragma: no cover - the decoder admits no other opcode
@@ -1349,7 +1350,14 @@ class QueuePair:
             self.atomic_replay.popitem(last=False)
         self.irrq.append(_AtomicReply(body))
 
-    def _on_atomic_response(self, payload: memoryview, raw: memoryview) -> None:
+    def on_atomic_response(self, msn: int, payload: memoryview, raw: memoryview) -> None:
+        """The Atomic Response (message ``msn`` of queue 4) to the atomic at
+        the ORRQ head: the Python path's segment or one the compiled lane
+        took whole (``raw`` from the DDP header, as for :meth:`on_segment`)."""
+        # Where the compiled lane expects the next one.  As for Read
+        # Requests, this path holds no response to it: the link delivers in
+        # order, and the ORRQ head and request identifier decide.
+        self.rx_atomic_resp_msn = (msn + 1) & _U32
         rd = self.orrq[0] if self.orrq else None
         try:
             resp = rdmap.decode_atomic_response_untrusted(payload)

@@ -187,10 +187,11 @@ typedef struct {
     uint32_t last_ends;
     uint32_t ended, flow_ack, flow_ack_msn;
     /* untagged: the queue number (0 Sends, 1 Read Requests, 3 atomic
-       requests; only queue 0 carries a Modified ACK); last_fills: the
-       message's last segment must fill the buffer exactly (a Read
-       Response's sink, a request's fixed-size body); whole: every segment
-       is a whole message (the last), as RDMAP's requests are */
+       requests, 4 Atomic Responses; only queue 0 carries a Modified ACK);
+       last_fills: the message's last segment must fill the buffer exactly
+       (a Read Response's sink, a request's or Atomic Response's fixed-size
+       body); whole: every segment is a whole message (the last), as those
+       of RDMAP's requests and Atomic Responses are */
     uint32_t qn, last_fills, whole;
 } udpv_rx_run;
 

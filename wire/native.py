@@ -26,11 +26,12 @@ daemon completes the Read or the receive before anything later is placed;
 a Read's last response must fill its sink, and a Send's may carry a
 Modified ACK (``flow_ack``, ``flow_ack_msn``).  A Send with Invalidate's
 last segment (the STag is invalidated first) and Immediate Data stay in
-Python.  Read and atomic requests (``whole``: one segment each, the last;
-``qn`` 1 or 3; ``last_fills``: of the request's own size) are checked
-and copied aside, each ending the run, and the daemon answers them from
-the datagram with the Python path's own checks: what the lane saves is
-the link's per-datagram Python and the segment's decoding.
+Python.  Read and atomic requests, and the Atomic Responses to ours
+(``whole``: one segment each, the last; ``qn`` 1, 3 or 4; ``last_fills``:
+of the message's own size) are checked and copied aside, each ending the
+run, and the daemon answers or completes them from the datagram with the
+Python path's own checks: what the lane saves is the link's per-datagram
+Python and the segment's decoding.
 
 The send lane is the mirror image, in two steps that keep the link's
 decisions where they are.  ``udpv_tx_bodies`` builds the bodies of a run of

@@ -313,13 +313,15 @@ REQUEST_SPOILERS: dict[str, Callable[[], bytes]] = {
     "a modified ack": lambda: _request(0, fill=1, flags=_FLOW_ACK, trailer=b"\0\0\0\1"),
     "an invalidate stag": lambda: _respoil(_request(0, fill=1), lambda b: b.__setitem__(slice(10, 14), b"\0\0\1\0")),
     "an atomic request": lambda: _request(0, fill=1, opcode=Opcode.ATOMIC_REQUEST),
+    "an atomic response": lambda: _request(0, fill=1, opcode=Opcode.ATOMIC_RESPONSE),
     "a send": lambda: _send_datagram(0, last=True, mo=0, payload=rdmap.READ_REQUEST_LEN, fill=1),
 }
 
 
-@pytest.mark.parametrize("op", [Opcode.RDMA_READ_REQUEST, Opcode.ATOMIC_REQUEST])
+@pytest.mark.parametrize("op", [Opcode.RDMA_READ_REQUEST, Opcode.ATOMIC_REQUEST, Opcode.ATOMIC_RESPONSE])
 def test_a_request_is_taken_whole_and_ends_the_run(op: int) -> None:
-    # the next one waits for the QP to answer this one (and for its MSN)
+    # the next one waits for the QP to answer this one (and for its MSN);
+    # an Atomic Response is taken the same way, for the QP to complete
     size = rdmap.SINGLE_SEGMENT[op]
     k, r, mem = _run([_request(0, opcode=op, fill=7), _request(1, opcode=op, msn=MSN + 1)], request=op)
     assert k == 1 and r.ended == 1 and r.flow_ack == 0 and r.bytes == size
@@ -331,6 +333,25 @@ def test_a_request_the_lane_does_not_take_stays_out(spoil: str) -> None:
     # the body's bytes are 1, so anything copied would show
     assert _run([_request(0, fill=1)], request=Opcode.RDMA_READ_REQUEST)[0] == 1
     k, r, mem = _run([REQUEST_SPOILERS[spoil]()], request=Opcode.RDMA_READ_REQUEST)
+    assert k == 0 and r.ended == 0 and not any(mem)
+
+
+_RESPONSE = Opcode.ATOMIC_RESPONSE
+RESPONSE_SPOILERS: dict[str, Callable[[], bytes]] = {
+    "other msn": lambda: _request(0, opcode=_RESPONSE, fill=1, msn=MSN + 1),
+    "the atomic request queue": lambda: _respoil(_request(0, opcode=_RESPONSE, fill=1),
+                                                 lambda b: b.__setitem__(slice(14, 18), b"\0\0\0\3")),
+    "not the last": lambda: _request(0, opcode=_RESPONSE, fill=1, last=False),
+    "a byte short": lambda: _request(0, opcode=_RESPONSE, fill=1, size=rdmap.ATOMIC_RESPONSE_LEN - 1),
+    "a byte long": lambda: _request(0, opcode=_RESPONSE, fill=1, size=rdmap.ATOMIC_RESPONSE_LEN + 1),
+    "an atomic request": lambda: _request(0, fill=1, opcode=Opcode.ATOMIC_REQUEST),
+}
+
+
+@pytest.mark.parametrize("spoil", sorted(RESPONSE_SPOILERS))
+def test_an_atomic_response_the_lane_does_not_take_stays_out(spoil: str) -> None:
+    assert _run([_request(0, opcode=_RESPONSE, fill=1)], request=_RESPONSE)[0] == 1
+    k, r, mem = _run([RESPONSE_SPOILERS[spoil]()], request=_RESPONSE)
     assert k == 0 and r.ended == 0 and not any(mem)
 
 
