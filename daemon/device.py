@@ -85,7 +85,7 @@ from ..wire.rdmap import Opcode
 from ..wire.shm import EventType, QPState as S, WcStatus as W
 from . import tables
 from .config import check_mtu
-from .qp import _OP_READ_RESPONSE, _OP_WRITE, _RECEIVING, _REMOTE_WRITE, _SEND_OPCODE, QueuePair, _PendingRead
+from .qp import _OP_READ_RESPONSE, _OP_WRITE, _RECEIVING, _REMOTE_WRITE, _SEND_OPCODE, _U32, QueuePair, _PendingRead
 
 log = logging.getLogger("udpverbs.daemon")
 
@@ -136,6 +136,8 @@ _REQUEST_LANE = {int(op): (*rdmap.UNTAGGED_CONTROL[op, False][:2], *rdmap.UNTAGG
                            rdmap.SINGLE_SEGMENT[op]) for op in (*_ANSWERED_BY_DAEMON, _OP_ATOMIC_RESPONSE)}
 _OP_READ_REQUEST = int(Opcode.RDMA_READ_REQUEST)
 _OP_ATOMIC_REQUEST = int(Opcode.ATOMIC_REQUEST)
+#: at most this many of them in one lane call (a GRO buffer holds up to 64 datagrams)
+_WHOLE_MAX = 64
 #: where a segment's DDP header starts in a link packet, and how much follows its payload
 _SEGMENT_AT = wire_link.HEADER_LEN + envelope.ENVELOPE_LEN
 _CRC_LEN = wire_link.CRC_LEN
@@ -489,7 +491,7 @@ class Device:
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
             # where the lane copies a request's body (the QP reads it from the datagram)
-            self._rx_scratch = bytearray(max(lane[-1] for lane in _REQUEST_LANE.values()))
+            self._rx_scratch = bytearray(_WHOLE_MAX * max(lane[-1] for lane in _REQUEST_LANE.values()))
             # the send lane's segment headers, packed in place by wire/segment.py
             self.tx_segments = self.native.ffi.new("udpv_tx_segments *")
             self.tx_more = self.native.ffi.buffer(self.tx_segments.more)
@@ -898,18 +900,18 @@ class Device:
         while off < n:
             hint = pl.rx_hint
             if hint is not None:
-                used = self._place_run(pl, data, off, seg, now, arrived)
+                used = self._place_run(pl, data, off, seg, now, arrived, budget)
                 off += used
                 if off >= n:
                     break
                 if used and self._rx_run.ended:
-                    # A message ended the run (a Send, a Read, a request):
+                    # A message ended the run (a Send, a Read, requests):
                     # the next may be another, for the lane again.  A
                     # request's answer is this pass's work, as on the
-                    # Python path, so it counts against the budget.
+                    # Python path, so each counts against the budget.
                     if hint[2] in _ANSWERED_BY_DAEMON:
-                        budget -= 1
-                        if not budget:
+                        budget -= -(-used // seg)
+                        if budget <= 0:
                             self._rx_rest = (pl, data, off, seg, arrived)
                             return
                     continue
@@ -922,11 +924,12 @@ class Device:
                 self._rx_rest = (pl, data, off, seg, arrived)
                 return
 
-    def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float) -> int:
+    def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float,
+                   limit: int = _WHOLE_MAX) -> int:
         """Place the run of RDMA Write (or Read Response, or Send) segments
-        at ``data[off:]`` that the compiled lane accepts, or take the one
-        Read or atomic request, or Atomic Response, there; return the bytes
-        it consumed (0: none).
+        at ``data[off:]`` that the compiled lane accepts, or take the Read
+        or atomic requests, or Atomic Responses, there (at most ``limit``);
+        return the bytes it consumed (0: none).
 
         What the lane does not check, checked here once per call: the
         hinted QP still receives on this link; for a Write, the STag still
@@ -943,7 +946,7 @@ class Device:
             pl.rx_hint = None
             return 0
         r = self._rx_run
-        r.untagged = r.qn = r.whole = r.last_fills = 0
+        r.untagged = r.qn = r.whole = r.last_fills = r.many = 0
         r.last_ends = op != _OP_WRITE
         request = _REQUEST_LANE.get(op)
         if request is not None:
@@ -954,9 +957,9 @@ class Device:
             r.ctrl_more, r.rctl, r.ctrl_last, r.qn, r.length = request
             view, start = self._rx_scratch, 0
             r.base, r.sequential, r.next_to = 0, 1, 0
-            r.untagged = r.whole = r.last_fills = 1
-            r.msn = (qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn if op == _OP_ATOMIC_REQUEST
-                     else qp.rx_atomic_resp_msn)
+            r.untagged = r.whole = r.last_fills = r.many = 1
+            r.msn = msn = (qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn
+                           if op == _OP_ATOMIC_REQUEST else qp.rx_atomic_resp_msn)
         elif op == _OP_READ_RESPONSE:
             # Read Responses into the ORRQ head's sink, in order; the last
             # one (which must fill the sink) ends the run.  Each Read has a
@@ -997,6 +1000,8 @@ class Device:
         if expect is None:
             return 0
         r.conn_tag, r.seq, r.max_count = expect
+        if request is not None and r.max_count > limit:
+            r.max_count = limit if limit < _WHOLE_MAX else _WHOLE_MAX
         r.w0 = segment._DDP_WORD | qp.qpn
         r.w1 = qp.dest_qpn
         r.stag = stag
@@ -1019,19 +1024,29 @@ class Device:
             if op == _OP_WRITE:
                 qp.rx_write_bytes += r.bytes
             elif request is not None:
-                # one whole segment: the run ended with it
-                n = min(seg, len(data) - off)
-                raw = memoryview(data)[off + _SEGMENT_AT:off + n - _CRC_LEN]
-                if op == _OP_ATOMIC_RESPONSE:
-                    qp.on_atomic_response(r.msn, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
-                    self.stats["rx_native_atomic_responses"] += 1
-                    self._delivered = True  # the original value is in the application's memory
+                # k whole segments, MSN by MSN, each taken as the Python
+                # path takes it, in order
+                view = memoryview(data)
+                at, end = off, len(data)
+                response = op == _OP_ATOMIC_RESPONSE
+                for i in range(k):
+                    n = seg if end - at > seg else end - at
+                    raw = view[at + _SEGMENT_AT:at + n - _CRC_LEN]
+                    at += n
+                    if i and qp.state not in _RECEIVING:
+                        continue  # the one before failed the QP: as on_segment, drop the rest
+                    if response:
+                        qp.on_atomic_response((msn + i) & _U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+                    else:
+                        qp.on_request(op, (msn + i) & _U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+                if response:
+                    self.stats["rx_native_atomic_responses"] += k
+                    self._delivered = True  # the original values are in the application's memory
                 else:
-                    qp.on_request(op, r.msn, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
-                    self.stats["rx_native_requests"] += 1
-                self.qp_changed(qp)  # the answer goes, or the WR completes, this pass
+                    self.stats["rx_native_requests"] += k
+                self.qp_changed(qp)  # the answers go, or the WRs complete, this pass
                 self.stats["rx_native_datagrams"] += k
-                return n
+                return at - off
             elif op == _OP_READ_RESPONSE:
                 rd.placed += r.bytes
                 if r.ended:

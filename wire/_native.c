@@ -191,8 +191,11 @@ typedef struct {
        last_fills: the message's last segment must fill the buffer exactly
        (a Read Response's sink, a request's or Atomic Response's fixed-size
        body); whole: every segment is a whole message (the last), as those
-       of RDMAP's requests and Atomic Responses are */
-    uint32_t qn, last_fills, whole;
+       of RDMAP's requests and Atomic Responses are; many (with whole):
+       the run goes on after such a message, with the next MSN (`msn` is
+       the one after the last taken on return), each body `length` bytes
+       after the one before it in `mem` */
+    uint32_t qn, last_fills, whole, many;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem) {
@@ -271,7 +274,10 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
             r->ended = 1;
             r->flow_ack = carries;
             if (carries) r->flow_ack_msn = be32(e + prefix + plen);
-            break;
+            if (!r->many) break;
+            r->msn++;
+            r->next_to = r->base;
+            mem += r->length;
         }
     }
     return k;

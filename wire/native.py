@@ -28,10 +28,12 @@ Modified ACK (``flow_ack``, ``flow_ack_msn``).  A Send with Invalidate's
 last segment (the STag is invalidated first) and Immediate Data stay in
 Python.  Read and atomic requests, and the Atomic Responses to ours
 (``whole``: one segment each, the last; ``qn`` 1, 3 or 4; ``last_fills``:
-of the message's own size) are checked and copied aside, each ending the
-run, and the daemon answers or completes them from the datagram with the
-Python path's own checks: what the lane saves is the link's per-datagram
-Python and the segment's decoding.
+of the message's own size; ``many``: one after another, MSN by MSN) are
+checked and copied aside, and the daemon answers or completes them from
+the datagrams with the Python path's own checks: what the lane saves is
+the link's per-datagram Python, the segment's decoding, and with a batch
+(an ORD window's requests or answers in one GRO buffer) the per-call
+set-up too.
 
 The send lane is the mirror image, in two steps that keep the link's
 decisions where they are.  ``udpv_tx_bodies`` builds the bodies of a run of
@@ -100,7 +102,7 @@ typedef struct {
     uint8_t next_ctrl, next_rctl;
     uint32_t last_ends;
     uint32_t ended, flow_ack, flow_ack_msn;
-    uint32_t qn, last_fills, whole;
+    uint32_t qn, last_fills, whole, many;
 } udpv_rx_run;
 
 size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg, uint8_t *mem);

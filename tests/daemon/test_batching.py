@@ -164,6 +164,19 @@ async def establish(a: Host, b: Host) -> None:
     raise AssertionError("the link did not come up")
 
 
+def complete(a: Host, b: Host, count: int, passes: int = 2000) -> list[tuple[int, int]]:
+    """Turn both loops until A has ``count`` completions or more (real
+    sockets: at most ``passes`` turns); return them, in order."""
+    done: list[tuple[int, int]] = []
+    for _ in range(passes):
+        a.dev.poll_once()
+        b.dev.poll_once()
+        done += a.completions()
+        if len(done) >= count:
+            break
+    return done
+
+
 async def _write_and_check(*, gso: bool, mtu: int, length: int) -> tuple[Host, Host]:
     a, b = Host("127.0.0.2", gso=gso, mtu=mtu), Host("127.0.0.3", gso=gso, mtu=mtu)
     a.connect(b)
@@ -220,6 +233,15 @@ async def test_a_batch_of_requests_is_answered_in_parts(budget: int, parts: list
     gso_before = a.dev.stats["tx_gso_sends"]
     a.dev.poll_once()
     assert a.dev.stats["tx_gso_sends"] == gso_before + 1  # one batch of 16
+    lane_calls: list[int] = []  # what each of the responder's lane calls took
+    place_run = b.dev._place_run
+
+    def counted(*args: Any) -> int:
+        used = place_run(*args)
+        lane_calls.append(used)
+        return used
+
+    b.dev._place_run = counted  # type: ignore[method-assign]
     sent, answered = [], 0
     base = b.dev.dump_stats()["link_data_sent"]
     for _ in range(200):
@@ -232,17 +254,45 @@ async def test_a_batch_of_requests_is_answered_in_parts(budget: int, parts: list
             break
         await trio.sleep(0.001)
     assert sent == parts
-    done: list[tuple[int, int]] = []
-    for _ in range(2000):
-        a.dev.poll_once()
-        b.dev.poll_once()
-        done += a.completions()
-        if len(done) == 16:
-            break
+    # The first request sets the lane's hint; the lane takes the rest of
+    # each part in one call.
+    assert b.dev.stats["rx_native_requests"] == 15
+    assert len(lane_calls) == len(parts)
+    done = complete(a, b, 16)
     assert sorted(done) == [(i, W.IBV_WC_SUCCESS) for i in range(16)]
     assert all(bytes(a.mr.view[4096 + 64 * i:4096 + 64 * i + 2]) == bytes(b.mr.view[64 * i:64 * i + 2]) for i in range(16))
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_a_bad_request_in_a_batch_ends_it_alike(native: bool) -> None:
+    # The sixth and the eighth of 16 Read Requests name an STag the
+    # responder does not have.  Through the lane (which takes the rest of
+    # the pass's part in one call) or not, the five before the first are
+    # answered, it draws the one Terminate, and nothing after it is taken.
+    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True, native=native)
+    a.connect(b)
+    b.connect(a)
+    for h in (a, b):
+        h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
+    try:
+        await establish(a, b)
+        if not (a.dev.gso and b.dev.gro):
+            pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
+        for i in range(16):
+            a.post_write(i, 4096 + 64 * i, 2, b, 64 * i, b.mr.stag + (1 << 8) if i in (5, 7) else None,
+                         opcode=WrOpcode.IBV_WR_RDMA_READ)
+        done = complete(a, b, 16)
+        assert done[:6] == [(i, W.IBV_WC_SUCCESS) for i in range(5)] + [(5, W.IBV_WC_REM_ACCESS_ERR)]
+        assert done[6:] == [(i, W.IBV_WC_WR_FLUSH_ERR) for i in range(6, 16)]
+        assert b.dev.stats["terminate_sent"] == 1 and b.qp.state == S.IBV_QPS_ERR
+        # the first pass's part (the budget, 8) but its first, which set the
+        # hint; the QP failed in that part, and takes nothing more
+        assert b.dev.stats["rx_native_requests"] == (7 if native else 0)
+    finally:
+        a.close()
+        b.close()
 
 
 async def test_the_rest_of_a_batch_goes_with_its_link() -> None:

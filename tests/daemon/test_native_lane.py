@@ -29,7 +29,7 @@ from udpverbs.wire import link as wire_link, native, rdmap, segment
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import QPState as S, WrOpcode
 
-from .test_batching import MR_LEN, Host, establish, qp_pairs
+from .test_batching import MR_LEN, Host, complete, establish, qp_pairs
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -519,19 +519,6 @@ def test_single_segment_sends_and_the_acks_they_carry_go_through_the_lane() -> N
             assert bytes(fast.mr.view[at:at + length]) == bytes(a.mr.view[src:src + length])
 
 
-def _first_completions(a: Host, b: Host) -> list[tuple[int, int]]:
-    """Turn both loops until A has completions (real sockets: give the
-    datagrams a few passes, at most 50); return them."""
-    done: list[tuple[int, int]] = []
-    for _ in range(50):
-        a.dev.poll_once()
-        b.dev.poll_once()
-        done += a.completions()
-        if done:
-            break
-    return done
-
-
 async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_them() -> None:
     # A one-segment Read Response is first and last at once; each Read has a
     # sink STag of its own, so the lane follows the ORRQ head, not the hint.
@@ -545,7 +532,7 @@ async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_the
         b.mr.view[256:266] = bytes(range(1, 11))
         for i in range(5):
             a.post_write(i, 128 + 2 * i, 2, b, 256 + 2 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
-            assert _first_completions(a, b) == [(i, 0)]
+            assert complete(a, b, 1, 50) == [(i, 0)]
         assert bytes(a.mr.view[128:138]) == bytes(range(1, 11))
         assert a.dev.stats["rx_native_reads"] == 4  # all but the first, which sets the hint
         assert b.dev.stats["rx_native_requests"] == 4  # likewise
@@ -581,7 +568,7 @@ async def test_atomic_responses_complete_through_the_lane(native: bool) -> None:
             elif add == word:
                 word = swap
             a.post_write(i, 1024 + 8 * i, 8, b, 64, opcode=opcode, compare_add=add, swap=swap)
-            assert _first_completions(a, b) == [(i, 0)]
+            assert complete(a, b, 1, 50) == [(i, 0)]
         got = [int.from_bytes(a.mr.view[1024 + 8 * i:1032 + 8 * i], sys.byteorder) for i in range(6)]
         assert got == expected
         assert int.from_bytes(b.mr.view[64:72], sys.byteorder) == word

@@ -65,7 +65,7 @@ def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
     if request:
         r.ctrl_more, r.rctl, r.ctrl_last, r.qn, length = device._REQUEST_LANE[request]
         r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
-        r.last_ends = r.whole = r.last_fills = 1
+        r.last_ends = r.whole = r.last_fills = r.many = 1
         next_to = 0
     elif send:
         r.ctrl_more, r.rctl, r.ctrl_last = device._SEND_CTRL[send_op]
@@ -319,13 +319,21 @@ REQUEST_SPOILERS: dict[str, Callable[[], bytes]] = {
 
 
 @pytest.mark.parametrize("op", [Opcode.RDMA_READ_REQUEST, Opcode.ATOMIC_REQUEST, Opcode.ATOMIC_RESPONSE])
-def test_a_request_is_taken_whole_and_ends_the_run(op: int) -> None:
-    # the next one waits for the QP to answer this one (and for its MSN);
-    # an Atomic Response is taken the same way, for the QP to complete
+def test_requests_are_taken_whole_one_msn_after_another(op: int) -> None:
+    # each body after the one before it, for the QP to answer (an Atomic
+    # Response: to complete) in order; the run ends where the MSNs skip
     size = rdmap.SINGLE_SEGMENT[op]
-    k, r, mem = _run([_request(0, opcode=op, fill=7), _request(1, opcode=op, msn=MSN + 1)], request=op)
-    assert k == 1 and r.ended == 1 and r.flow_ack == 0 and r.bytes == size
-    assert bytes(mem[:size]) == b"\x07" * size and not any(mem[size:])
+    stream = [_request(0, opcode=op, fill=7), _request(1, opcode=op, msn=MSN + 1, fill=8),
+              _request(2, opcode=op, msn=MSN + 3, fill=9)]
+    k, r, mem = _run(stream, request=op)
+    assert k == 2 and r.ended == 1 and r.flow_ack == 0 and r.bytes == 2 * size and r.msn == MSN + 2
+    assert bytes(mem[:2 * size]) == b"\x07" * size + b"\x08" * size and not any(mem[2 * size:])
+
+
+def test_requests_stop_at_the_run_s_room() -> None:
+    op = Opcode.ATOMIC_REQUEST
+    k, r, mem = _run([_request(i, opcode=op, msn=MSN + i) for i in range(4)], request=op, max_count=3)
+    assert k == 3 and r.msn == MSN + 3
 
 
 @pytest.mark.parametrize("spoil", sorted(REQUEST_SPOILERS))
