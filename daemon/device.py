@@ -468,6 +468,7 @@ class Device:
         self._sq_watch = SQWatch([], None)
         self._to_complete: dict[QueuePair, None] = {}
         self._to_pump: dict[QueuePair, None] = {}
+        self._prefetch: list[QueuePair] = []  # QPs whose next receive to resolve once the pass's sends left
         # UDPVERBS_CHECK_PASSES=1 (the test suite sets it): check after every
         # pass that no QP it left out had work (``check_pass``)
         self.check_passes = os.environ.get("UDPVERBS_CHECK_PASSES", "") not in ("", "0")
@@ -845,6 +846,13 @@ class Device:
         for pl in list(links.values()):
             if self._flush_link(pl):
                 progress = True
+        if self._prefetch:
+            prefetch, self._prefetch = self._prefetch, []
+            for qp in prefetch:
+                try:
+                    qp.prefetch_receive()
+                except Exception:  # an engine bug ends this QP, never the daemon
+                    self._qp_failed(qp)
         if self.check_passes:
             self.check_pass()
         return progress
@@ -1103,10 +1111,14 @@ class Device:
 
     def _pump(self, qp: QueuePair, start: bool = True) -> bool:
         try:
-            return bool(qp.pump(_TURN_BUDGET, start))
+            sent = qp.pump(_TURN_BUDGET, start)
         except Exception:  # an engine bug ends this QP, never the daemon
             self._qp_failed(qp)
             return True
+        if sent and qp.q0 and qp.rx_recv is None:
+            # Our Sends are out: the peer's may answer them, into our next receive
+            self._prefetch.append(qp)
+        return bool(sent)
 
     def _settle(self, qp: QueuePair) -> None:
         """Put ``qp``, just visited, where it waits for its next visit (see

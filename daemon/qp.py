@@ -506,6 +506,8 @@ class QueuePair:
         self.rx_write_bytes = 0
         self.rx_msn = 1  # next MSN expected on untagged queue 0 (Send, Immediate Data)
         self.rx_recv: tuple[int, _Gather | None] | None = None  # receive WQE being filled
+        # (ring consumer index, STag table version, ring, peek_receive's answer) of the last look
+        self._rx_peeked: tuple[int, int, shm.Ring, tuple[int, _Gather | None]] | None = None
         self.rx_placed = 0
         self.rx_imm_pending = False  # a Send with IMM_FOLLOWS placed; its Immediate Data completes it
         # Responder side of Modified ACK/NACK.
@@ -1190,16 +1192,38 @@ class QueuePair:
 
     def peek_receive(self) -> tuple[int, _Gather | None] | None:
         """The next posted receive, resolved but left in the ring: (wr_id,
-        gather; None if its SGEs are bad); None if none is posted."""
+        gather; None if its SGEs are bad); None if none is posted.
+
+        The resolution is kept for as long as the receive stays at the
+        ring's head and the STag table does not change, so a receive
+        looked at ahead of its Send (``prefetch_receive``) is not resolved
+        again when the Send comes."""
         rq = self.recv_ring
         try:
             if not rq.available():
                 return None
         except shm.RingError:
             return None
+        version = self.device.stags.version
+        kept = self._rx_peeked
+        if kept is not None and kept[0] == rq.cons and kept[1] == version and kept[2] is rq:
+            recv = kept[3]
+            if recv[1] is not None:
+                recv[1].rewind()
+            return recv
         at = rq.slot_offset()
         wr_id, n = _RECV_WQE_HEAD.unpack_from(rq.buf, at)
-        return wr_id, self._resolve(rq.buf, at + _RECV_SG_OFFSET, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
+        recv = wr_id, self._resolve(rq.buf, at + _RECV_SG_OFFSET, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
+        self._rx_peeked = (rq.cons, version, rq, recv)
+        return recv
+
+    def prefetch_receive(self) -> None:
+        """Resolve the next posted receive now, if a Send may come for it:
+        called after a pass's datagrams left, when nothing waits on us (a
+        Send ping-pong's answer comes a round trip later), so that its
+        resolution is off the path of the pass that places the Send."""
+        if self.rx_recv is None and self.state in _RECEIVING and not self.rx_rnr:
+            self.peek_receive()
 
     def take_receive(self, recv: tuple[int, _Gather | None]) -> None:
         """Start the next queue-0 message in ``recv``, the receive

@@ -124,6 +124,9 @@ class STagTable:
         self._free: list[int] = []
         self._max = max_entries
         self.count = 0
+        # moves on every registration and invalidation: what was resolved
+        # against the table before still holds while it stays
+        self.version = 0
 
     def register(self, mr: MemoryRegion) -> int:
         """Give ``mr`` an STag (also stored in ``mr.stag``) and return it.
@@ -146,6 +149,7 @@ class STagTable:
         self._slots[idx] = mr
         mr.stag = (idx << 8) | key
         self.count += 1
+        self.version += 1
         return mr.stag
 
     def lookup(self, stag: int) -> MemoryRegion | None:
@@ -183,6 +187,7 @@ class STagTable:
         self._free.append(idx)
         mr.valid = False
         self.count -= 1
+        self.version += 1
         return mr
 
 

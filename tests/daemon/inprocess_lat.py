@@ -120,12 +120,15 @@ async def main(iters: int, only: str | None, profile: str | None) -> None:
         # The Send ping-pong: each host answers as soon as it has received,
         # with nothing in between, so each Send carries the Modified ACK of
         # the one before it (as in send_lat, whose applications answer
-        # within the link's delayed-ACK time).
+        # within the link's delayed-ACK time).  As there, each posts the
+        # receive for the answer just before its Send.
         for i in range(rounds if only != "reads" else 0):
             seen: list[tuple[int, int]] = []  # a's completions this round
             for k, (src, dst, link) in enumerate(((a, b, la), (b, a, lb))):
                 recv_id, send_id = (4 + k) * rounds + i, (2 + k) * rounds + i
-                dst.post_recv(recv_id, 512, 64)
+                if i == 0 and k == 0:
+                    dst.post_recv(recv_id, 512, 64)  # b's first
+                src.post_recv(5 * rounds + i if k == 0 else 4 * rounds + i + 1, 512, 64)
                 src.post_write(send_id, 0, 2, dst, 0, opcode=WrOpcode.IBV_WR_SEND)
                 sent = link.stats.data_sent
                 got: list[tuple[int, int]] = []

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from udpverbs.wire import link as wire_link, native, rdmap, segment
+from udpverbs.wire import link as wire_link, native, rdmap, segment, shm
 from udpverbs.wire.rdmap import Opcode
-from udpverbs.wire.shm import QPState as S, WrOpcode
+from udpverbs.wire.shm import QPState as S, WcStatus as W, WrOpcode
 
 from .test_batching import MR_LEN, Host, complete, establish, qp_pairs
 
@@ -574,6 +574,52 @@ async def test_atomic_responses_complete_through_the_lane(native: bool) -> None:
         assert int.from_bytes(b.mr.view[64:72], sys.byteorder) == word
         # all but the first, which sets the hint
         assert a.dev.stats["rx_native_atomic_responses"] == (5 if native else 0)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("gone", [False, True])
+@pytest.mark.parametrize("ahead", [False, True])
+async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool, gone: bool) -> None:
+    # B's receive, into a spare region of B's, is resolved ahead of A's
+    # Send when B's own Send leaves (``ahead``), as a Send ping-pong posts
+    # it; if the region is deregistered before A's Send comes (``gone``),
+    # the Send finds it gone either way.
+    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
+    try:
+        a.connect(b)
+        b.connect(a)
+        await establish(a, b)
+        stag = b.spare_stag()
+        spare = b.dev.stags.lookup(stag)
+        rq = b.qp.recv_ring
+        rq.prod = rq.hdr.producer
+        at = rq.next_slot_offset()
+        shm.RECV_WQE_HEAD.pack_into(rq.buf, at, 77, 1)
+        shm.SGE.pack_into(rq.buf, at + shm.RECV_WQE_SG_OFFSET, spare.addr + 100, 64, stag)
+        rq.push()
+        rq.publish()
+        a.post_recv(5, 4096, 64)  # B's Send lands away from what A sends
+        if ahead:
+            b.post_write(1, 0, 2, a, 0, opcode=WrOpcode.IBV_WR_SEND)
+            b.dev.poll_once()  # B's Send leaves, then its receive is resolved
+            kept = b.qp._rx_peeked
+            assert kept is not None and kept[3][0] == 77 and b.qp.peek_receive() is kept[3]
+        if gone:
+            b.dev.stags.invalidate(stag)
+        a.mr.view[:2] = b"hi"
+        a.post_write(2, 0, 2, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+        got: list[tuple[int, int]] = []
+        for _ in range(50):
+            a.dev.poll_once()
+            b.dev.poll_once()
+            got += b.completions()
+            if any(wr_id == 77 for wr_id, _ in got):
+                break
+        status = W.IBV_WC_LOC_PROT_ERR if gone else W.IBV_WC_SUCCESS
+        assert (77, status) in got
+        assert bytes(spare.view[100:102]) == (b"\0\0" if gone else b"hi")
     finally:
         a.close()
         b.close()
