@@ -908,7 +908,9 @@ class Device:
         while off < n:
             hint = pl.rx_hint
             if hint is not None:
-                used = self._place_run(pl, data, off, seg, now, arrived, budget)
+                # requests as many as the budget has left; anything else, no limit
+                used = self._place_run(pl, data, off, seg, now, arrived,
+                                       budget if hint[2] in _ANSWERED_BY_DAEMON else _WHOLE_MAX)
                 off += used
                 if off >= n:
                     break
@@ -1008,8 +1010,11 @@ class Device:
         if expect is None:
             return 0
         r.conn_tag, r.seq, r.max_count = expect
-        if request is not None and r.max_count > limit:
-            r.max_count = limit if limit < _WHOLE_MAX else _WHOLE_MAX
+        if request is not None:
+            # no more bodies than the scratch buffer holds
+            room = limit if limit < _WHOLE_MAX else _WHOLE_MAX
+            if r.max_count > room:
+                r.max_count = room
         r.w0 = segment._DDP_WORD | qp.qpn
         r.w1 = qp.dest_qpn
         r.stag = stag

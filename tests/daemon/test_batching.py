@@ -9,10 +9,12 @@ checked against a recording socket.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -162,6 +164,22 @@ async def establish(a: Host, b: Host) -> None:
             return
         await trio.sleep(0.001)
     raise AssertionError("the link did not come up")
+
+
+@contextlib.asynccontextmanager
+async def connected(a: Host | None = None, b: Host | None = None) -> AsyncIterator[tuple[Host, Host]]:
+    """QP 1 of ``a`` and of ``b`` (default: hosts on 127.0.0.2 and 127.0.0.3,
+    with GSO) connected to each other, the link up; both closed afterwards."""
+    a = a or Host("127.0.0.2", gso=True)
+    b = b or Host("127.0.0.3", gso=True)
+    try:
+        a.connect(b)
+        b.connect(a)
+        await establish(a, b)
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 def complete(a: Host, b: Host, count: int, passes: int = 2000) -> list[tuple[int, int]]:

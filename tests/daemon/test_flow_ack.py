@@ -8,29 +8,13 @@ and "it did not" are decided by the test, not by the machine's speed.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
 import trio
 
 from udpverbs.wire.shm import WcStatus as W, WrOpcode
 
-from .test_batching import Host, establish
+from .test_batching import Host, connected
 
 SEND = WrOpcode.IBV_WR_SEND
-
-
-@contextlib.asynccontextmanager
-async def _pair() -> AsyncIterator[tuple[Host, Host]]:
-    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
-    try:
-        a.connect(b)
-        b.connect(a)
-        await establish(a, b)
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 def _turn(*hosts: Host, until, limit: int = 200) -> None:
@@ -62,7 +46,7 @@ def _exchange(a: Host, b: Host, i: int, *, answer: bool) -> tuple[list, list]:
 
 
 async def test_a_send_ping_pong_sends_one_message_per_hop(autojump_clock) -> None:
-    async with _pair() as (a, b):
+    async with connected() as (a, b):
         for h in (a, b):
             h.post_recv(0, 4096, 64)
         _exchange(a, b, 0, answer=True)  # b's answer follows its ACK closely: from now on it carries it
@@ -91,7 +75,7 @@ async def test_a_send_ping_pong_sends_one_message_per_hop(autojump_clock) -> Non
 
 
 async def test_a_send_nobody_answers_is_acked_at_once(autojump_clock) -> None:
-    async with _pair() as (a, b):
+    async with connected() as (a, b):
         b.post_recv(0, 4096, 64)
         b.post_recv(1, 4096, 64)
         for i in range(2):
@@ -106,7 +90,7 @@ async def test_a_send_nobody_answers_is_acked_at_once(autojump_clock) -> None:
 
 
 async def test_a_late_answer_lets_the_held_ack_go_alone(autojump_clock) -> None:
-    async with _pair() as (a, b):
+    async with connected() as (a, b):
         for h in (a, b):
             h.post_recv(0, 4096, 64)
         _exchange(a, b, 0, answer=True)

@@ -29,7 +29,7 @@ from udpverbs.wire import link as wire_link, native, rdmap, segment, shm
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import QPState as S, WcStatus as W, WrOpcode
 
-from .test_batching import MR_LEN, Host, complete, establish, qp_pairs
+from .test_batching import MR_LEN, Host, complete, connected, establish, qp_pairs
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -524,11 +524,7 @@ async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_the
     # sink STag of its own, so the lane follows the ORRQ head, not the hint.
     # The responder takes the Read Requests through the lane too, and
     # answers each in the pass that takes it.
-    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
-    try:
-        a.connect(b)
-        b.connect(a)
-        await establish(a, b)
+    async with connected(Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)) as (a, b):
         b.mr.view[256:266] = bytes(range(1, 11))
         for i in range(5):
             a.post_write(i, 128 + 2 * i, 2, b, 256 + 2 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
@@ -536,9 +532,6 @@ async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_the
         assert bytes(a.mr.view[128:138]) == bytes(range(1, 11))
         assert a.dev.stats["rx_native_reads"] == 4  # all but the first, which sets the hint
         assert b.dev.stats["rx_native_requests"] == 4  # likewise
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -548,11 +541,7 @@ async def test_atomic_responses_complete_through_the_lane(native: bool) -> None:
     # the last one, one whole 12-byte segment) and the QP matches it with
     # the ORRQ head as the Python path does.  The original values land
     # alike with the lane or without it.
-    a, b = Host("127.0.0.2", gso=True, native=native), Host("127.0.0.3", gso=True)
-    try:
-        a.connect(b)
-        b.connect(a)
-        await establish(a, b)
+    async with connected(Host("127.0.0.2", gso=True, native=native), Host("127.0.0.3", gso=True)) as (a, b):
         word = 0x0102030405060708
         b.mr.view[64:72] = word.to_bytes(8, sys.byteorder)
         ops = [(WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, 5, 0), (WrOpcode.IBV_WR_ATOMIC_CMP_AND_SWP, 0, 9),
@@ -574,9 +563,6 @@ async def test_atomic_responses_complete_through_the_lane(native: bool) -> None:
         assert int.from_bytes(b.mr.view[64:72], sys.byteorder) == word
         # all but the first, which sets the hint
         assert a.dev.stats["rx_native_atomic_responses"] == (5 if native else 0)
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("gone", [False, True])
@@ -586,11 +572,7 @@ async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool
     # Send when B's own Send leaves (``ahead``), as a Send ping-pong posts
     # it; if the region is deregistered before A's Send comes (``gone``),
     # the Send finds it gone either way.
-    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
-    try:
-        a.connect(b)
-        b.connect(a)
-        await establish(a, b)
+    async with connected(Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)) as (a, b):
         stag = b.spare_stag()
         spare = b.dev.stags.lookup(stag)
         rq = b.qp.recv_ring
@@ -620,6 +602,33 @@ async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool
         status = W.IBV_WC_LOC_PROT_ERR if gone else W.IBV_WC_SUCCESS
         assert (77, status) in got
         assert bytes(spare.view[100:102]) == (b"\0\0" if gone else b"hi")
-    finally:
-        a.close()
-        b.close()
+
+
+async def test_a_batch_longer_than_the_scratch_buffer_is_taken_in_parts() -> None:
+    # 70 Atomic Responses back to back, more than the 64 bodies the lane's
+    # scratch buffer holds, and a limit that would allow them all: one
+    # call takes 64 and leaves the rest.  (A GRO buffer holds at most 64
+    # datagrams; the daemon must not depend on that.)
+    async with connected(Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)) as (a, b):
+        a.post_write(0, 1024, 8, b, 64, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
+        assert complete(a, b, 1, 50) == [(0, 0)]  # an RTT sample, so the link takes runs
+        pl = a.qp.link
+        link = pl.link
+        expect = link.run_receivable()
+        assert expect is not None and expect[2] > 70
+        tag, seq, _ = expect
+        msn = a.qp.rx_atomic_resp_msn
+        datagrams = []
+        for i in range(70):
+            body = bytearray(segment.UNTAGGED_PREFIX_LEN)
+            segment.pack_untagged_into(body, 0, 1, 1, Opcode.ATOMIC_RESPONSE, True, msn + i, 0)
+            body += rdmap.encode_atomic_response(rdmap.AtomicResponse(i, i))
+            datagrams.append(wire_link.encode_fields(wire_link.PacketType.DATA, 0, link.path_id, tag,
+                                                     (seq + i) & 0xFFFFFFFF, (link.isn + link.recovery.una) & 0xFFFFFFFF,
+                                                     1000, 0, 100, bytes(body)))
+        size = len(datagrams[0])
+        pl.rx_hint = (a.qp, 0, int(Opcode.ATOMIC_RESPONSE))
+        now = a.dev.now
+        used = a.dev._place_run(pl, b"".join(datagrams), 0, size, now, now, 10_000)
+        assert used == 64 * size
+        assert a.dev.stats["rx_native_atomic_responses"] == 64
