@@ -8,7 +8,8 @@ and times it, with no scheduler, applications or other processes in the
 way.  A Write hop is two passes (the sender's, the receiver's); a Send
 hop likewise, the receiver's taking a posted receive and writing its CQE
 (the two hosts Send in turn, as ``send_lat`` does, so each Send carries
-the Modified ACK of the one before it); a Read's round trip is three (the
+the Modified ACK of the one before it, and each posts the receive for the
+answer just before its Send, whose pass then resolves it ahead); a Read's round trip is three (the
 request's, the responder's, the requester's that places the response and
 completes the Read).
 
