@@ -1025,12 +1025,17 @@ class Device:
             pl.rx_hint = None
             return 0
         buf = ffi.from_buffer("uint8_t[]", data)
+        more = None
         try:
             k = self.native.lib.udpv_rx_write_run(r, buf + off, len(data) - off, seg, mem + start)
+            if k and r.ended and op == _OP_READ_RESPONSE and len(qp.orrq) > 1 and len(data) - off > k * seg:
+                more = self._next_reads_responses(qp, view, buf, mem, data, off + k * seg, seg, k)
         finally:
             # no export may outlive the call: deregistration releases the view
             ffi.release(mem)
             ffi.release(buf)
+        if more is not None:
+            return self._reads_responded(pl, qp, more, now, arrived) - off
         if k:
             link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
                                    r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
@@ -1087,6 +1092,79 @@ class Device:
             # the Python path taking its first segment to set the hint.
             return used + self._place_run(pl, data, off + used, seg, now, arrived)
         return used
+
+    def _next_reads_responses(self, qp: QueuePair, view: Any, buf: Any, mem: Any, data: bytes, at: int, seg: int,
+                              k: int) -> list[tuple[int, ...]]:
+        """The lane placed the whole response of the Read at the ORRQ head,
+        ``k`` datagrams, and more of ``data`` follows at ``at``: place the
+        responses of the next Reads there too, while each is one SGE in the
+        same region (``view``, exported as ``mem``), one lane call each
+        with no new set-up.  Return each call's ``(count, bytes, ended,
+        ACK field, first packet's timestamp, echo, window, flags, last
+        packet's timestamp, window, flags of all, end offset)``, the first
+        call's first; the caller accounts for them on the link and
+        completes the Reads (``_reads_responded``)."""
+        r = self._rx_run
+        run = self.native.lib.udpv_rx_write_run
+        end = len(data)
+        seq, room = r.seq, r.max_count
+        calls = [(k, r.bytes, 1, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags, r.last_ts,
+                  r.last_rwnd, r.flags_or, at)]
+        orrq = qp.orrq
+        i = 1
+        while at < end and i < len(orrq):
+            seq = (seq + k) & _U32
+            room -= k
+            rd = orrq[i]
+            if room <= 0 or type(rd) is not _PendingRead or len(rd.gather.pieces) != 1:
+                break
+            piece, start, _ = rd.gather.pieces[0]
+            if piece is not view:
+                break
+            r.seq, r.max_count = seq, room
+            r.stag, r.length, r.next_to = rd.wr.sink_stag, rd.size, rd.placed
+            k = run(r, buf + at, end - at, seg, mem + start)
+            if not k:
+                break
+            at = min(at + k * seg, end)
+            calls.append((k, r.bytes, r.ended, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
+                          r.last_ts, r.last_rwnd, r.flags_or, at))
+            if not r.ended:
+                break  # a Read's responses cut short: the rest as without this
+            i += 1
+        return calls
+
+    def _reads_responded(self, pl: PeerLink, qp: QueuePair, calls: list[tuple[int, ...]], now: float,
+                         arrived: float) -> int:
+        """Account on ``pl``'s link for the lane calls ``_next_reads_responses``
+        made, as one run per ACK field, then complete the Reads they
+        ended; return the offset in the buffer after the last."""
+        link = pl.link
+        total = reads = 0
+        n = len(calls)
+        j = 0
+        while j < n:
+            count, _, _, ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or, _ = calls[j]
+            j += 1
+            while j < n and calls[j][3] == ack:  # the same ACK field: one run for the link
+                c = calls[j]
+                count += c[0]
+                last_ts, last_rwnd, flags_or = c[8], c[9], flags_or | c[10]
+                j += 1
+            link.data_run_received(count, ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or, now, arrived)
+            total += count
+        for call in calls:
+            rd = qp.orrq[0]
+            rd.placed += call[1]
+            if call[2]:
+                qp.read_placed()
+                reads += 1
+        self.stats["rx_native_reads"] += reads
+        self.stats["rx_native_datagrams"] += total
+        self._rx_run.ended = calls[-1][2]
+        self.qp_changed(qp)  # the Reads complete
+        self._delivered = True
+        return calls[-1][11]
 
     def _write_rehint(self, pl: PeerLink) -> bool:
         """Point ``pl``'s hint at the Write segment where the lane stopped
