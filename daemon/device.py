@@ -74,7 +74,7 @@ import trio
 import trio.testing
 
 from ..transport.congestion.base import create as create_cc
-from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkUp, one_per_datagram, run_slots
+from ..transport.link import Burst, Link, LinkConfig, LinkFailed, LinkState, LinkUp, one_per_datagram, run_slots
 from ..transport.sockbuf import datagrams_that_fit
 from ..wire import ctl, ddp, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
@@ -278,7 +278,7 @@ class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
     __slots__ = ("device", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint", "ack_waiters",
-                 "ready")
+                 "ready", "requests")
 
     def __init__(self, device: "Device", addr: tuple[str, int], link: Link) -> None:
         self.device = device
@@ -298,13 +298,47 @@ class PeerLink:
         # QPs with data to send on this link, served round robin while the
         # link takes more (a dict as an ordered set)
         self.ready: dict[QueuePair, None] = {}
+        # Read and atomic requests queued back to back, not yet on the link
+        # (``send_request``)
+        self.requests: list[bytearray] = []
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
 
     def send(self, message: bytes | bytearray, ack_now: bool = True, ack_carrier: bool = True) -> int:
         """Queue one message on the link; return its message number
         (``ack_now``, ``ack_carrier``: as for ``Link.send``)."""
+        if self.requests:
+            self.flush_requests()
         return self.link.send(message, self.device.now, ack_now, ack_carrier)
+
+    def send_request(self, message: bytearray) -> None:
+        """Queue a Read or atomic request (as ``send(message,
+        ack_carrier=False)``).  Requests queued back to back, an ORD
+        window's, go on the link together as one run of equal messages
+        when anything else is queued or the device sends (``flush_requests``):
+        the compiled framer then frames them in one call, where each alone
+        cost ``Link.bursts_to_send`` a packet encoded in Python."""
+        self.requests.append(message)
+
+    def flush_requests(self) -> None:
+        """Put the requests ``send_request`` holds on the link, in order
+        (dropped if the link has ended since: its QPs fail with it)."""
+        requests = self.requests
+        self.requests = []
+        if self.link.state >= LinkState.CLOSED:
+            return
+        size = len(requests[0])
+        if len(requests) == 1 or self.device.native is None or any(len(m) != size for m in requests):
+            for m in requests:
+                self.link.send(m, self.device.now, True, False)
+            return
+        head, slot = run_slots(size)
+        buf = bytearray(len(requests) * slot)
+        at = head
+        for m in requests:
+            buf[at:at + size] = m
+            at += slot
+        self.link.send_run(buf, size, len(requests), size, ack_carrier=False)
 
     def send_tagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, stag: int, to: int, src: memoryview,
                         start: int, count: int, last_len: int, ends: bool) -> int:
@@ -315,6 +349,8 @@ class PeerLink:
 
         ``ends``: the last of them is the message's last segment.
         """
+        if self.requests:
+            self.flush_requests()
         dev = self.device
         segment.pack_tagged_into(dev.tx_more, 0, dst_qpn, src_qpn, opcode, False, stag, 0)
         segment.pack_tagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, stag, 0)
@@ -327,6 +363,8 @@ class PeerLink:
         """As :meth:`send_tagged_run`, for untagged segments (RFC 5041 §4.2:
         a Send's) of message ``msn`` from offset ``mo``; ``flags``, the
         envelope flags, go on the message's last segment only."""
+        if self.requests:
+            self.flush_requests()
         dev = self.device
         segment.pack_untagged_into(dev.tx_more, 0, dst_qpn, src_qpn, opcode, False, msn, 0, inv_stag, 0)
         segment.pack_untagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, msn, 0, inv_stag, flags)
@@ -1263,6 +1301,8 @@ class Device:
                     f"QP {qp.qpn} left out with WR {wr.wr_id} to complete"
 
     def _flush_link(self, pl: PeerLink) -> bool:
+        if pl.requests:
+            pl.flush_requests()
         link = pl.link
         gso = self.gso
         out = (link.bursts_to_send if gso else link.datagrams_to_send)(self.now, self._clock)

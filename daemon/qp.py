@@ -735,14 +735,18 @@ class QueuePair:
         m.wr.q0_last = m.msn
         self.send_msn += 1
 
-    def _send_untagged(self, opcode: int, msn: int, body: bytes, ack_carrier: bool = True) -> int:
+    def _send_untagged(self, opcode: int, msn: int, body: bytes, request: bool = False) -> None:
         """Queue a single-segment untagged message (Read Request, atomics,
-        Immediate Data, Terminate); ``ack_carrier``: as for ``Link.send``."""
+        Immediate Data, Terminate); ``request``: a Read or atomic request
+        (``PeerLink.send_request``)."""
         assert self.link is not None
         buf = bytearray(_UNTAGGED_PREFIX + len(body))
         segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, opcode, True, msn & _U32, 0)
         buf[_UNTAGGED_PREFIX:] = body
-        return self.link.send(buf, ack_carrier=ack_carrier)
+        if request:
+            self.link.send_request(buf)
+        else:
+            self.link.send(buf)
 
     def _send_read_request(self, wr: OutWR, gather: _Gather, rkey: int, raddr: int) -> None:
         sink = self.next_sink
@@ -751,7 +755,7 @@ class QueuePair:
         body = rdmap.encode_read_request(rdmap.ReadRequest(sink, 0, gather.total, rkey, raddr))
         # The peer's daemon answers it itself, after taking the ACK it
         # carries: not an answer to hold our ACK for (transport/link.py).
-        self._send_untagged(Opcode.RDMA_READ_REQUEST, self.read_msn, body, ack_carrier=False)
+        self._send_untagged(Opcode.RDMA_READ_REQUEST, self.read_msn, body, request=True)
         self.read_msn += 1  # a Read completes when placed, not when its request is acked
         self.orrq.append(_PendingRead(wr, gather))
 
@@ -765,7 +769,7 @@ class QueuePair:
             req = rdmap.AtomicRequest(aop, self.next_req_id, rkey, raddr, swap, _U64, compare_add, _U64)
         wr.atomic_msn = self.atomic_msn
         self._send_untagged(Opcode.ATOMIC_REQUEST, self.atomic_msn, rdmap.encode_atomic_request(req),
-                            ack_carrier=False)  # as a Read Request
+                            request=True)  # as a Read Request
         self.atomic_msn += 1
         self.orrq.append(_PendingAtomic(wr, gather, self.next_req_id))
         self.next_req_id = (self.next_req_id + 1) & _U32

@@ -840,16 +840,17 @@ class Link:
             self._poor_carrier = True
         return n
 
-    def send_run(self, buf: bytearray, stride: int, count: int, last_len: int) -> int:
+    def send_run(self, buf: bytearray, stride: int, count: int, last_len: int, ack_carrier: bool = True) -> int:
         """Queue ``count`` messages held in ``buf``, ``stride`` bytes long, the
         last ``last_len``, each in the place its packet will have
         (:func:`run_slots`); return the first one's number.
 
-        As :meth:`send` for each, but the link keeps ``buf`` itself (the
-        caller must not change the messages) and, with a framer, writes the
-        packets' headers and CRCs around them in one compiled call when they
-        leave in order, and sends that part of ``buf``: the payload is
-        copied once on its way from the caller to the socket.
+        As :meth:`send` for each (``ack_carrier`` too), but the link keeps
+        ``buf`` itself (the caller must not change the messages) and, with a
+        framer, writes the packets' headers and CRCs around them in one
+        compiled call when they leave in order, and sends that part of
+        ``buf``: the payload is copied once on its way from the caller to
+        the socket.
 
         Raises:
             ValueError: a message longer than ``config.max_payload``.
@@ -864,6 +865,8 @@ class Link:
         self.recovery.add_run(n0, count, memoryview(buf), stride, last_len, *run_slots(stride))
         self._next_n = n0 + count
         self._want_ack_now = True
+        if not ack_carrier:
+            self._poor_carrier = True
         if self._framer is not None:
             self._runs.append((n0, n0 + count, buf, stride, last_len))
         return n0

@@ -27,7 +27,8 @@ from udpverbs.daemon.device import Device, DeviceConfig
 from udpverbs.daemon.qp import CompletionQueue, QueuePair
 from udpverbs.transport.link import Burst, one_per_datagram
 from udpverbs.transport.sockbuf import skb_truesize
-from udpverbs.wire import ctl, shm
+from udpverbs.wire import ctl, segment, shm
+from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
 
 ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ | A.IBV_ACCESS_REMOTE_ATOMIC
@@ -265,8 +266,11 @@ async def test_a_batch_of_requests_is_answered_in_parts(budget: int, parts: list
     for i in range(16):
         a.post_write(i, 4096 + 64 * i, 2, b, 64 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
     gso_before = a.dev.stats["tx_gso_sends"]
+    framed = a.qp.link.link.framed_datagrams
     a.dev.poll_once()
     assert a.dev.stats["tx_gso_sends"] == gso_before + 1  # one batch of 16
+    # queued on the link as one run, which the compiled framer frames in one call
+    assert a.qp.link.link.framed_datagrams == framed + 16
     lane_calls = record_lane_calls(b.dev)
     sent, answered = [], 0
     base = b.dev.dump_stats()["link_data_sent"]
@@ -353,6 +357,44 @@ async def test_a_batch_of_small_read_responses_completes_alike(native: bool, sin
             assert a.dev.stats["rx_native_reads"] == 31  # all but the very first
             # a batch arrives in a buffer or two, and one call takes a series
             assert len(lane_calls) < (16 if sinks == "one region" else 24)
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_requests_keep_their_place_among_other_messages(native: bool) -> None:
+    # Requests wait in the PeerLink to go on the link as one run; a Write
+    # and a Send posted between them still take their places in the
+    # link's message order, as posted.
+    a = Host("127.0.0.2", gso=True, native=native)
+    async with connected(a) as (a, b):
+        for h in (a, b):
+            h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
+        b.post_recv(50, 8192, 64)
+        link = a.qp.link.link
+        first = link._next_n
+        a.post_write(0, 4096, 4, b, 0, opcode=WrOpcode.IBV_WR_RDMA_READ)
+        a.post_write(1, 4100, 4, b, 16, opcode=WrOpcode.IBV_WR_RDMA_READ)
+        a.post_write(2, 0, 4, b, 0)
+        a.post_write(3, 4104, 4, b, 32, opcode=WrOpcode.IBV_WR_RDMA_READ)
+        a.post_write(4, 4, 4, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+        a.post_write(5, 4112, 8, b, 8, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
+        a.post_write(6, 4120, 8, b, 16, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
+        a.dev.poll_once()
+        assert not a.qp.link.requests
+        kinds = [segment.decode_untrusted(bytes(link.recovery.message(n)))[1].opcode
+                 for n in range(first, link._next_n)]
+        assert kinds == [Opcode.RDMA_READ_REQUEST, Opcode.RDMA_READ_REQUEST, Opcode.RDMA_WRITE,
+                         Opcode.RDMA_READ_REQUEST, Opcode.SEND, Opcode.ATOMIC_REQUEST, Opcode.ATOMIC_REQUEST]
+        assert complete(a, b, 7) == [(i, W.IBV_WC_SUCCESS) for i in range(7)]
+
+
+async def test_requests_queued_for_a_link_that_ended_are_dropped() -> None:
+    async with connected() as (a, b):
+        pl = a.qp.link
+        pl.send_request(bytearray(54))
+        pl.send_request(bytearray(54))
+        pl.link.close(a.dev.now)
+        a.dev._flush_link(pl)  # no exception: the link's end fails its QPs instead
+        assert pl.requests == []
 
 
 async def test_the_rest_of_a_batch_goes_with_its_link() -> None:

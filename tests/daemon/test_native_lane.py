@@ -129,6 +129,8 @@ def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[byte
         if qp.outstanding:
             qp.complete_acked(link.acked)
         qp.pump(64)
+    if pl.requests:  # type: ignore[attr-defined]
+        pl.flush_requests()  # type: ignore[attr-defined]  # as Device._flush_link does
     return link.datagrams_to_send(now, clock)
 
 
