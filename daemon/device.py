@@ -127,6 +127,8 @@ _SEND_CTRL = {int(op): (ctrl, rctl, rdmap.UNTAGGED_CONTROL[op, True][0] if op in
 #: responder lost ~25 µs per Read to the yield)
 _ANSWERED_BY_DAEMON = frozenset({int(Opcode.RDMA_READ_REQUEST), int(Opcode.ATOMIC_REQUEST)})
 _OP_ATOMIC_RESPONSE = int(Opcode.ATOMIC_RESPONSE)
+#: what the lane places by STag (the rest of its runs are Sends or whole requests and responses)
+_TAGGED_LANE = frozenset({_OP_WRITE, _OP_READ_RESPONSE})
 # ... and the lane takes them whole, one per run, each of its fixed size
 # (RFC 5040 §4.4, RFC 7306 §5.2) on its own queue, and so the Atomic
 # Responses that answer ours (RFC 7306 §5.3): (DDP control of a segment
@@ -1075,9 +1077,20 @@ class Device:
         if more is not None:
             return self._reads_responded(pl, qp, more, now, arrived) - off
         if k:
+            sends = op not in _TAGGED_LANE and request is None
+            if sends:
+                # A Send's receive completes first: the application waits
+                # on its CQE (a Write's data is already in place), while the
+                # link's accounting of the run, and the ACK it carries, wait
+                # on nothing (``Link.data_run_received`` reads nothing the
+                # receive changes).
+                self._sends_placed(qp, op, recv, r)
             link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
                                    r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
-            if op == _OP_WRITE:
+            if sends:
+                if r.flow_ack:
+                    qp.on_flow_ack(r.flow_ack_msn)
+            elif op == _OP_WRITE:
                 qp.rx_write_bytes += r.bytes
             elif request is not None:
                 # k whole segments, MSN by MSN, each taken as the Python
@@ -1109,16 +1122,6 @@ class Device:
                     qp.read_placed()
                     self.stats["rx_native_reads"] += 1
                     self.qp_changed(qp)  # the Read completes
-            else:
-                if recv is not qp.rx_recv:
-                    qp.take_receive(recv)
-                qp.rx_placed += r.bytes
-                if r.flow_ack:
-                    qp.on_flow_ack(r.flow_ack_msn)
-                if r.ended:
-                    qp.send_placed(op)
-                    self.stats["rx_native_sends"] += 1
-                    self.qp_changed(qp)  # a Modified ACK is owed
             self._delivered = True
             self.stats["rx_native_datagrams"] += k
         used = k * seg
@@ -1130,6 +1133,18 @@ class Device:
             # the Python path taking its first segment to set the hint.
             return used + self._place_run(pl, data, off + used, seg, now, arrived)
         return used
+
+    def _sends_placed(self, qp: QueuePair, op: int, recv: Any, r: Any) -> None:
+        """The lane placed a run of Send segments into ``recv``: take the
+        receive from the ring if the run started it, and complete it if the
+        run ended the Send."""
+        if recv is not qp.rx_recv:
+            qp.take_receive(recv)
+        qp.rx_placed += r.bytes
+        if r.ended:
+            qp.send_placed(op)
+            self.stats["rx_native_sends"] += 1
+            self.qp_changed(qp)  # a Modified ACK is owed
 
     def _next_reads_responses(self, qp: QueuePair, view: Any, buf: Any, mem: Any, data: bytes, at: int, seg: int,
                               k: int) -> list[tuple[int, ...]]:

@@ -634,3 +634,27 @@ async def test_a_batch_longer_than_the_scratch_buffer_is_taken_in_parts() -> Non
         used = a.dev._place_run(pl, b"".join(datagrams), 0, size, now, now, 10_000)
         assert used == 64 * size
         assert a.dev.stats["rx_native_atomic_responses"] == 64
+
+
+async def test_a_send_completes_before_the_link_accounts_for_its_run() -> None:
+    # The application waits on a Send's CQE; the link's accounting of the
+    # run (and of the ACK it carries) waits on nothing: the lane's pass
+    # writes the CQE first.
+    async with connected() as (a, b):
+        for i in range(3):
+            b.post_recv(i, 256 * i, 64)
+        seen: list[int] = []  # CQEs waiting in B's CQ when its link accounts for a lane run
+        link = b.qp.link.link
+        run_received = link.data_run_received
+
+        def accounted(*args: Any) -> None:
+            seen.append(b.cq.ring.available())
+            run_received(*args)
+
+        link.data_run_received = accounted  # type: ignore[method-assign]
+        for i in range(3):
+            a.post_write(10 + i, 0, 8, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+            assert complete(a, b, 1, 50) == [(10 + i, 0)]
+        assert [c[0] for c in b.cqes()] == [0, 1, 2]
+        assert b.dev.stats["rx_native_sends"] == 2  # all but the first, which set the hint
+        assert seen[-2:] == [2, 3]  # each lane Send's CQE was there already
