@@ -1077,14 +1077,24 @@ class Device:
         if more is not None:
             return self._reads_responded(pl, qp, more, now, arrived) - off
         if k:
+            # What an application waits on first, the link's accounting of
+            # the run (and of the ACK it carries) after: a Send's receive
+            # and its CQE, a Read's or an atomic's CQE (a Write's data is
+            # in place already).  ``Link.data_run_received`` reads nothing
+            # these change.
             sends = op not in _TAGGED_LANE and request is None
             if sends:
-                # A Send's receive completes first: the application waits
-                # on its CQE (a Write's data is already in place), while the
-                # link's accounting of the run, and the ACK it carries, wait
-                # on nothing (``Link.data_run_received`` reads nothing the
-                # receive changes).
                 self._sends_placed(qp, op, recv, r)
+            elif op == _OP_READ_RESPONSE:
+                rd.placed += r.bytes
+                if r.ended:
+                    qp.read_placed()
+                    self.stats["rx_native_reads"] += 1
+                    self.qp_changed(qp)  # the Read completes
+                    self._complete_now(qp)
+            elif op == _OP_ATOMIC_RESPONSE:
+                at = self._take_whole(qp, op, msn, data, off, seg, k)
+                self._complete_now(qp)
             link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
                                    r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
             if sends:
@@ -1093,35 +1103,15 @@ class Device:
             elif op == _OP_WRITE:
                 qp.rx_write_bytes += r.bytes
             elif request is not None:
-                # k whole segments, MSN by MSN, each taken as the Python
-                # path takes it, in order
-                view = memoryview(data)
-                at, end = off, len(data)
-                response = op == _OP_ATOMIC_RESPONSE
-                for i in range(k):
-                    n = seg if end - at > seg else end - at
-                    raw = view[at + _SEGMENT_AT:at + n - _CRC_LEN]
-                    at += n
-                    if i and qp.state not in _RECEIVING:
-                        continue  # the one before failed the QP: as on_segment, drop the rest
-                    if response:
-                        qp.on_atomic_response((msn + i) & _U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
-                    else:
-                        qp.on_request(op, (msn + i) & _U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
-                if response:
+                if op == _OP_ATOMIC_RESPONSE:
                     self.stats["rx_native_atomic_responses"] += k
                     self._delivered = True  # the original values are in the application's memory
                 else:
+                    at = self._take_whole(qp, op, msn, data, off, seg, k)
                     self.stats["rx_native_requests"] += k
                 self.qp_changed(qp)  # the answers go, or the WRs complete, this pass
                 self.stats["rx_native_datagrams"] += k
                 return at - off
-            elif op == _OP_READ_RESPONSE:
-                rd.placed += r.bytes
-                if r.ended:
-                    qp.read_placed()
-                    self.stats["rx_native_reads"] += 1
-                    self.qp_changed(qp)  # the Read completes
             self._delivered = True
             self.stats["rx_native_datagrams"] += k
         used = k * seg
@@ -1133,6 +1123,39 @@ class Device:
             # the Python path taking its first segment to set the hint.
             return used + self._place_run(pl, data, off + used, seg, now, arrived)
         return used
+
+    def _take_whole(self, qp: QueuePair, op: int, msn: int, data: bytes, off: int, seg: int, k: int) -> int:
+        """Take the ``k`` whole requests or Atomic Responses the lane took
+        at ``data[off:]``, MSN by MSN from ``msn``, each as the Python path
+        takes it, in order; return the offset after the last."""
+        view = memoryview(data)
+        at, end = off, len(data)
+        response = op == _OP_ATOMIC_RESPONSE
+        for i in range(k):
+            n = seg if end - at > seg else end - at
+            raw = view[at + _SEGMENT_AT:at + n - _CRC_LEN]
+            at += n
+            if i and qp.state not in _RECEIVING:
+                continue  # the one before failed the QP: as on_segment, drop the rest
+            if response:
+                qp.on_atomic_response((msn + i) & _U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+            else:
+                qp.on_request(op, (msn + i) & _U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+        return at
+
+    def _complete_now(self, qp: QueuePair) -> None:
+        """Retire the WRs at the head of ``qp``'s SQ that a response has
+        just completed (a Read's, an atomic's), as soon as it is taken,
+        and before the link accounts for the lane's run: the application
+        waits on their CQEs.  Only WRs marked done: what an ACK retires
+        waits for the completion step of the pass, so the lane and the
+        Python path, whose ACK processing comes at different points,
+        retire everything at the same points."""
+        try:
+            if qp.outstanding:
+                qp.complete_acked(-1)
+        except Exception:  # an engine bug ends this QP, never the daemon
+            self._qp_failed(qp)
 
     def _sends_placed(self, qp: QueuePair, op: int, recv: Any, r: Any) -> None:
         """The lane placed a run of Send segments into ``recv``: take the
@@ -1194,6 +1217,13 @@ class Device:
         ended; return the offset in the buffer after the last."""
         link = pl.link
         total = reads = 0
+        for call in calls:  # first what the application waits on
+            rd = qp.orrq[0]
+            rd.placed += call[1]
+            if call[2]:
+                qp.read_placed()
+                reads += 1
+        self._complete_now(qp)
         n = len(calls)
         j = 0
         while j < n:
@@ -1206,12 +1236,6 @@ class Device:
                 j += 1
             link.data_run_received(count, ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or, now, arrived)
             total += count
-        for call in calls:
-            rd = qp.orrq[0]
-            rd.placed += call[1]
-            if call[2]:
-                qp.read_placed()
-                reads += 1
         self.stats["rx_native_reads"] += reads
         self.stats["rx_native_datagrams"] += total
         self._rx_run.ended = calls[-1][2]
@@ -1454,6 +1478,8 @@ class Device:
                         raw = raw[:-envelope.FLOW_ACK_LEN]
                     qp.on_segment(hdr, payload, raw, env.flags)
                     op = hdr.opcode
+                    if op == _OP_READ_RESPONSE or op == _OP_ATOMIC_RESPONSE:
+                        self._complete_now(qp)  # as the lane does
                     if op in _ANSWERED_BY_DAEMON:
                         if self.native is not None:
                             pl.rx_hint = (qp, 0, op)  # the next request

@@ -582,7 +582,8 @@ class QueuePair:
                               self.qpn, self.dest_qpn)
 
     def complete_acked(self, acked: int) -> bool:
-        """Retire WRs at the head of the SQ that are done; return True if any."""
+        """Retire WRs at the head of the SQ that are done or that the link
+        acknowledged below ``acked`` (-1: only those done); return True if any."""
         q = self.outstanding
         progressed = False
         while q:

@@ -636,6 +636,21 @@ async def test_a_batch_longer_than_the_scratch_buffer_is_taken_in_parts() -> Non
         assert a.dev.stats["rx_native_atomic_responses"] == 64
 
 
+def _cqes_at_each_lane_run(host: Host) -> list[int]:
+    """From now on, how many CQEs wait in ``host``'s CQ each time its link
+    accounts for a run the compiled lane took (``Link.data_run_received``)."""
+    seen: list[int] = []
+    link = host.qp.link.link
+    run_received = link.data_run_received
+
+    def accounted(*args: Any) -> None:
+        seen.append(host.cq.ring.available())
+        run_received(*args)
+
+    link.data_run_received = accounted  # type: ignore[method-assign]
+    return seen
+
+
 async def test_a_send_completes_before_the_link_accounts_for_its_run() -> None:
     # The application waits on a Send's CQE; the link's accounting of the
     # run (and of the ACK it carries) waits on nothing: the lane's pass
@@ -643,18 +658,27 @@ async def test_a_send_completes_before_the_link_accounts_for_its_run() -> None:
     async with connected() as (a, b):
         for i in range(3):
             b.post_recv(i, 256 * i, 64)
-        seen: list[int] = []  # CQEs waiting in B's CQ when its link accounts for a lane run
-        link = b.qp.link.link
-        run_received = link.data_run_received
-
-        def accounted(*args: Any) -> None:
-            seen.append(b.cq.ring.available())
-            run_received(*args)
-
-        link.data_run_received = accounted  # type: ignore[method-assign]
+        seen = _cqes_at_each_lane_run(b)
         for i in range(3):
             a.post_write(10 + i, 0, 8, b, 0, opcode=WrOpcode.IBV_WR_SEND)
             assert complete(a, b, 1, 50) == [(10 + i, 0)]
         assert [c[0] for c in b.cqes()] == [0, 1, 2]
         assert b.dev.stats["rx_native_sends"] == 2  # all but the first, which set the hint
         assert seen[-2:] == [2, 3]  # each lane Send's CQE was there already
+
+
+@pytest.mark.parametrize("opcode", [WrOpcode.IBV_WR_RDMA_READ, WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD])
+async def test_a_read_or_atomic_completes_before_the_link_accounts_for_its_run(opcode: WrOpcode) -> None:
+    # As for a Send's receive: the requester's application waits on the
+    # CQE, which the lane's pass writes before the link's accounting.
+    async with connected() as (a, b):
+        seen = _cqes_at_each_lane_run(a)
+        for i in range(3):
+            a.post_write(i, 1024 + 8 * i, 8, b, 64, opcode=opcode, compare_add=1)
+            for _ in range(50):
+                a.dev.poll_once()
+                b.dev.poll_once()
+                if a.cq.ring.available() > i:
+                    break
+        assert [(c[0], c[1]) for c in a.cqes()] == [(0, 0), (1, 0), (2, 0)]
+        assert seen[-2:] == [2, 3]  # the lane's two: each one's CQE was there already
