@@ -1212,9 +1212,10 @@ class Device:
 
     def _reads_responded(self, pl: PeerLink, qp: QueuePair, calls: list[tuple[int, ...]], now: float,
                          arrived: float) -> int:
-        """Account on ``pl``'s link for the lane calls ``_next_reads_responses``
-        made, as one run per ACK field, then complete the Reads they
-        ended; return the offset in the buffer after the last."""
+        """Complete the Reads the lane calls of ``_next_reads_responses``
+        ended (their CQEs first: the application waits on them), then
+        account for the calls on ``pl``'s link, as one run per ACK field;
+        return the offset in the buffer after the last."""
         link = pl.link
         total = reads = 0
         for call in calls:  # first what the application waits on
