@@ -506,8 +506,8 @@ class QueuePair:
         self.rx_write_bytes = 0
         self.rx_msn = 1  # next MSN expected on untagged queue 0 (Send, Immediate Data)
         self.rx_recv: tuple[int, _Gather | None] | None = None  # receive WQE being filled
-        # (ring consumer index, STag table version, ring, peek_receive's answer) of the last look
-        self._rx_peeked: tuple[int, int, shm.Ring, tuple[int, _Gather | None]] | None = None
+        # (ring consumer index, STag table version, peek_receive's answer) of the last look
+        self._rx_peeked: tuple[int, int, tuple[int, _Gather | None]] | None = None
         self.rx_placed = 0
         self.rx_imm_pending = False  # a Send with IMM_FOLLOWS placed; its Immediate Data completes it
         # Responder side of Modified ACK/NACK.
@@ -1211,15 +1211,15 @@ class QueuePair:
             return None
         version = self.device.stags.version
         kept = self._rx_peeked
-        if kept is not None and kept[0] == rq.cons and kept[1] == version and kept[2] is rq:
-            recv = kept[3]
+        if kept is not None and kept[0] == rq.cons and kept[1] == version:
+            recv = kept[2]
             if recv[1] is not None:
                 recv[1].rewind()
             return recv
         at = rq.slot_offset()
         wr_id, n = _RECV_WQE_HEAD.unpack_from(rq.buf, at)
         recv = wr_id, self._resolve(rq.buf, at + _RECV_SG_OFFSET, n, _LOCAL_WRITE) if n <= self.max_recv_sge else None
-        self._rx_peeked = (rq.cons, version, rq, recv)
+        self._rx_peeked = (rq.cons, version, recv)
         return recv
 
     def prefetch_receive(self) -> None:

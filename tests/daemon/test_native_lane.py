@@ -589,7 +589,7 @@ async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool
             b.post_write(1, 0, 2, a, 0, opcode=WrOpcode.IBV_WR_SEND)
             b.dev.poll_once()  # B's Send leaves, then its receive is resolved
             kept = b.qp._rx_peeked
-            assert kept is not None and kept[3][0] == 77 and b.qp.peek_receive() is kept[3]
+            assert kept is not None and kept[2][0] == 77 and b.qp.peek_receive() is kept[2]
         if gone:
             b.dev.stags.invalidate(stag)
         a.mr.view[:2] = b"hi"
