@@ -531,8 +531,9 @@ class Device:
         self._rx_run: Any = None
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
-            # where the lane copies a request's body (the QP reads it from the datagram)
-            self._rx_scratch = bytearray(_WHOLE_MAX * max(lane[-1] for lane in _REQUEST_LANE.values()))
+            # the lane's buffer for whole requests and Atomic Responses: none
+            # (the QP reads them in the datagram)
+            self._no_mem = self.native.ffi.cast("uint8_t *", 0)
             # the send lane's segment headers, packed in place by wire/segment.py
             self.tx_segments = self.native.ffi.new("udpv_tx_segments *")
             self.tx_more = self.native.ffi.buffer(self.tx_segments.more)
@@ -1002,10 +1003,10 @@ class Device:
         if request is not None:
             # A Read or atomic request, or an Atomic Response: the lane
             # checks its packet and its header (queue, MSN, one whole
-            # segment of its size) and copies its body aside; the QP takes
-            # it below, from the datagram, as the Python path does.
+            # segment of its size) and copies nothing; the QP takes it
+            # below, from the datagram, as the Python path does.
             r.ctrl_more, r.rctl, r.ctrl_last, r.qn, r.length = request
-            view, start = self._rx_scratch, 0
+            view, start = None, 0
             r.base, r.sequential, r.next_to = 0, 1, 0
             r.untagged = r.whole = r.last_fills = r.many = 1
             r.msn = msn = (qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn
@@ -1051,7 +1052,6 @@ class Device:
             return 0
         r.conn_tag, r.seq, r.max_count = expect
         if request is not None:
-            # no more bodies than the scratch buffer holds
             room = limit if limit < _WHOLE_MAX else _WHOLE_MAX
             if r.max_count > room:
                 r.max_count = room
@@ -1059,11 +1059,14 @@ class Device:
         r.w1 = qp.dest_qpn
         r.stag = stag
         ffi = self.native.ffi
-        try:
-            mem = ffi.from_buffer("uint8_t[]", view, require_writable=True)
-        except ValueError:  # a Read's sink deregistered under it: the Python path counts the segment
-            pl.rx_hint = None
-            return 0
+        if view is None:
+            mem = self._no_mem
+        else:
+            try:
+                mem = ffi.from_buffer("uint8_t[]", view, require_writable=True)
+            except ValueError:  # a Read's sink deregistered under it: the Python path counts the segment
+                pl.rx_hint = None
+                return 0
         buf = ffi.from_buffer("uint8_t[]", data)
         more = None
         try:
@@ -1072,7 +1075,8 @@ class Device:
                 more = self._next_reads_responses(qp, view, buf, mem, data, off + k * seg, seg, k)
         finally:
             # no export may outlive the call: deregistration releases the view
-            ffi.release(mem)
+            if view is not None:
+                ffi.release(mem)
             ffi.release(buf)
         if more is not None:
             return self._reads_responded(pl, qp, more, now, arrived) - off

@@ -194,7 +194,7 @@ typedef struct {
        of RDMAP's requests and Atomic Responses are; many (with whole):
        the run goes on after such a message, with the next MSN (`msn` is
        the one after the last taken on return), each body `length` bytes
-       after the one before it in `mem` */
+       after the one before it in `mem`, or nowhere if `mem` is NULL */
     uint32_t qn, last_fills, whole, many;
 } udpv_rx_run;
 
@@ -254,7 +254,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
         uint64_t o = to - r->base;
         if (o > r->length || plen > r->length - o) break;
         if (ends && r->last_fills && plen != r->length - o) break; /* a Read's last response ends short */
-        memcpy(mem + o, e + prefix, plen);
+        if (mem) memcpy(mem + o, e + prefix, plen); /* NULL: the caller reads whole messages in place */
         if (k == 0) {
             r->first_ack = ack;
             r->first_ts = be32(p + 16);
@@ -277,7 +277,7 @@ size_t udpv_rx_write_run(udpv_rx_run *r, const uint8_t *buf, size_t len, size_t 
             if (!r->many) break;
             r->msn++;
             r->next_to = r->base;
-            mem += r->length;
+            if (mem) mem += r->length;
         }
     }
     return k;

@@ -29,8 +29,9 @@ last segment (the STag is invalidated first) and Immediate Data stay in
 Python.  Read and atomic requests, and the Atomic Responses to ours
 (``whole``: one segment each, the last; ``qn`` 1, 3 or 4; ``last_fills``:
 of the message's own size; ``many``: one after another, MSN by MSN) are
-checked and copied aside, and the daemon answers or completes them from
-the datagrams with the Python path's own checks: what the lane saves is
+checked (with no buffer, ``mem`` NULL, nothing is copied), and the daemon
+answers or completes them from the datagrams with the Python path's own
+checks: what the lane saves is
 the link's per-datagram Python, the segment's decoding, and with a batch
 (an ORD window's requests or answers in one GRO buffer) the per-call
 set-up too.

@@ -606,11 +606,11 @@ async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool
         assert bytes(spare.view[100:102]) == (b"\0\0" if gone else b"hi")
 
 
-async def test_a_batch_longer_than_the_scratch_buffer_is_taken_in_parts() -> None:
-    # 70 Atomic Responses back to back, more than the 64 bodies the lane's
-    # scratch buffer holds, and a limit that would allow them all: one
-    # call takes 64 and leaves the rest.  (A GRO buffer holds at most 64
-    # datagrams; the daemon must not depend on that.)
+async def test_a_batch_longer_than_a_lane_call_takes_is_taken_in_parts() -> None:
+    # 70 Atomic Responses back to back, more than the 64 a lane call takes,
+    # and a limit that would allow them all: one call takes 64 and leaves
+    # the rest.  (A GRO buffer holds at most 64 datagrams; the daemon must
+    # not depend on that.)
     async with connected(Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)) as (a, b):
         a.post_write(0, 1024, 8, b, 64, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
         assert complete(a, b, 1, 50) == [(0, 0)]  # an RTT sample, so the link takes runs
