@@ -871,6 +871,56 @@ class Link:
             self._runs.append((n0, n0 + count, buf, stride, last_len))
         return n0
 
+    def frame_alone(self, message: bytes | bytearray, now: float, ack_now: bool = True) -> bytes | None:
+        """The packet that :meth:`send` then :meth:`bursts_to_send` would
+        send for ``message`` right now, if it would be the only one; else
+        None.  Changes nothing: the caller sends the packet and then calls
+        :meth:`sent_alone` with it, so the link's bookkeeping comes after
+        the datagram has left (a ping-pong's peer waits on the datagram,
+        not on the bookkeeping)."""
+        rec = self.recovery
+        n = self._next_n
+        if (self.state != _ESTABLISHED or self._out or self._snd_nxt != n or rec.lost or self._ranges
+                or n >= rec.una + self.peer_rwnd or n - rec.una >= self.config.send_buffer_packets
+                or rec.bytes_in_flight >= self.cc.cwnd_bytes or now < self.pacer.next_send_s
+                or len(message) > self.config.max_payload):
+            return None
+        # ACK_NOW as the usual path sets it on the last message queued (with
+        # every earlier one sent, the flag of a queued message has gone out).
+        return _encode_fields(_DATA, _ACK_NOW if ack_now else 0, self.path_id,
+                              self.peer_tag, (self.isn + n) & _U32, (self.peer_isn + self.rcv_nxt) & _U32,
+                              int(now * 1e6) & _U32, self._echo(now), self._advertised_window(), message, ())
+
+    def sent_alone(self, message: bytes | bytearray, size: int, now: float, ack_carrier: bool = True) -> int:
+        """``message`` left in the packet :meth:`frame_alone` returned, of
+        ``size`` bytes: the bookkeeping of :meth:`send` and
+        :meth:`bursts_to_send` for it.  Returns its number."""
+        n = self._next_n
+        rec = self.recovery
+        rec.add(n, message)
+        self._next_n = self._snd_nxt = n + 1
+        self._pace_deadline = None
+        rec.on_sent(n, size, False)
+        self.pacer.on_sent(size, now)
+        cc = self.cc
+        cc.on_packet_sent(size, now)
+        self._cwnd_limited = rec.bytes_in_flight * 2 >= cc.cwnd_bytes
+        stats = self.stats
+        stats.data_sent += 1
+        stats.datagrams_sent += 1
+        self._ack_count = 0
+        self._ack_now = False
+        self._ack_deadline = None
+        hold = self._hold
+        if not ack_carrier or self._poor_carrier:
+            self._poor_carrier = False
+            hold.stop()
+        else:
+            hold.answered(now, hold.until is not None)
+        if self._rto_deadline is None:
+            self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff
+        return n
+
     def send_space(self) -> int:
         """How many more messages the link wants queued now."""
         s = self.config.send_buffer_packets - (self._next_n - self.recovery.una)
