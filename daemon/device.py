@@ -313,6 +313,28 @@ class PeerLink:
             self.flush_requests()
         return self.link.send(message, self.device.now, ack_now, ack_carrier)
 
+    def send_alone(self, message: bytes | bytearray, ack_now: bool = True, ack_carrier: bool = True) -> int | None:
+        """Send ``message`` now, in a datagram of its own, if the link would
+        send it alone at the end of this pass anyway; return its number, or
+        None (then nothing happened: queue it with :meth:`send`)."""
+        dev = self.device
+        sock = dev.sock
+        if self.requests or sock is None:
+            return None
+        now = dev._clock()
+        link = self.link
+        d = link.frame_alone(message, now, ack_now)
+        if d is None:
+            return None
+        try:
+            sock.sendto(d, self.addr)
+        except (BlockingIOError, InterruptedError):
+            dev.stats["tx_dropped"] += 1  # the link retransmits it
+        except OSError:
+            dev.stats["tx_oserror"] += 1
+        dev.stats["tx_alone"] += 1
+        return link.sent_alone(message, len(d), now, ack_carrier)
+
     def send_request(self, message: bytearray) -> None:
         """Queue a Read or atomic request (as ``send(message,
         ack_carrier=False)``).  Requests queued back to back, an ORD

@@ -744,10 +744,30 @@ class QueuePair:
         buf = bytearray(_UNTAGGED_PREFIX + len(body))
         segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, opcode, True, msn & _U32, 0)
         buf[_UNTAGGED_PREFIX:] = body
-        if request:
-            self.link.send_request(buf)
-        else:
+        if opcode == Opcode.TERMINATE:
+            # Found while receiving: it leaves with the pass's other
+            # datagrams, after the ACK of everything the pass received.
             self.link.send(buf)
+        else:
+            self._send_or_queue(buf, request=request)
+
+    def _send_or_queue(self, buf: bytearray, ack_now: bool = True, request: bool = False) -> int | None:
+        """Queue the whole message ``buf`` on the link, or, when it is the
+        last thing this QP has to send for now, send it at once if the link
+        would send it alone anyway (``PeerLink.send_alone``): in a ping-pong
+        the peer waits on this datagram, and the rest of the pass (the
+        link's bookkeeping included) can come after it.  Returns its link
+        message number (None for a request queued with ``send_request``)."""
+        link = self.link
+        assert link is not None
+        if not self.irrq and self.q0_cursor >= len(self.q0) and self.sq.hdr.producer == self.sq.cons:
+            num = link.send_alone(buf, ack_now, not request)
+            if num is not None:
+                return num
+        if request:
+            link.send_request(buf)
+            return None
+        return link.send(buf, ack_now)
 
     def _send_read_request(self, wr: OutWR, gather: _Gather, rkey: int, raddr: int) -> None:
         sink = self.next_sink
@@ -859,8 +879,8 @@ class QueuePair:
             self._write_packer(buf, last, s.wr.rkey, (s.wr.raddr + s.sent) & _U64)
             if n:
                 s.gather.copy_out(buf, _TAGGED_PREFIX, n)
+            num = self._send_or_queue(buf) if last and not s.sent and not s.with_imm else link.send(buf)
             s.sent += n
-            num = link.send(buf)
             sent += 1
             if last:
                 self._write_sent(s, num)
@@ -926,7 +946,10 @@ class QueuePair:
             self.flow_hold.answered(self.device.now, carry)
         # A Send completes on the peer's Modified ACK, not on the link's ACK:
         # the link need not ask for one at once (the Modified ACK carries it).
-        self.link.send(buf, ack_now=False)
+        if last and m.sent == n:
+            self._send_or_queue(buf, ack_now=False)
+        else:
+            self.link.send(buf, ack_now=False)
         return 1
 
     def _send_response(self, max_data: int, room: int) -> int:
@@ -935,9 +958,9 @@ class QueuePair:
         assert self.link is not None
         r = self.irrq[0]
         if type(r) is _AtomicReply:
+            self.irrq.popleft()
             self._send_untagged(Opcode.ATOMIC_RESPONSE, self.atomic_resp_msn, r.body)
             self.atomic_resp_msn += 1
-            self.irrq.popleft()
             return 1
         remaining = r.size - r.sent
         if self.device.native is not None and remaining > max_data:
@@ -956,10 +979,13 @@ class QueuePair:
                                  r.sink_stag, (r.sink_to + r.sent) & _U64)
         start = r.off + r.sent
         buf[_TAGGED_PREFIX:] = r.view[start:start + n]
-        r.sent += n
-        self.link.send(buf)
         if last:
             self.irrq.popleft()
+        if last and not r.sent:
+            self._send_or_queue(buf)
+        else:
+            self.link.send(buf)
+        r.sent += n
         return 1
 
     # -- Modified ACK/NACK (wire/flow.py) -------------------------------------

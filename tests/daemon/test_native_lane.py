@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,10 +116,29 @@ def _receive(host: Host, pl: object, receives: list[tuple[bytes, int]], now: flo
         dev._dispatch(pl, msg)  # type: ignore[arg-type]
 
 
+class _Recorder:
+    """A device's socket that keeps what is sent to it instead (the tests
+    hand the datagrams over themselves)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sent: list[bytes] = []
+
+    def sendto(self, data: bytes, addr: object) -> int:
+        self.sent.append(bytes(data))
+        return len(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
 def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[bytes]:
     """The rest of a data-loop pass: timers, completions, pump, what leaves
-    (stamped by ``clock`` if given, as the device's loop does)."""
+    (stamped by ``clock`` if given, as the device's loop does): what the
+    pump sent at once (``PeerLink.send_alone``), then what the link sends."""
     dev, qp, link = host.dev, host.qp, pl.link  # type: ignore[attr-defined]
+    if type(dev.sock) is not _Recorder:
+        dev.sock = _Recorder(dev.sock)  # type: ignore[assignment]
     dev.now = now
     d = link.next_deadline()
     if d is not None and d <= now:
@@ -131,7 +151,8 @@ def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[byte
         qp.pump(64)
     if pl.requests:  # type: ignore[attr-defined]
         pl.flush_requests()  # type: ignore[attr-defined]  # as Device._flush_link does
-    return link.datagrams_to_send(now, clock)
+    sent, dev.sock.sent = dev.sock.sent, []  # type: ignore[union-attr]
+    return sent + link.datagrams_to_send(now, clock)
 
 
 def _link_state(pl: object) -> tuple[object, ...]:

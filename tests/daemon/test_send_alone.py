@@ -1,0 +1,52 @@
+"""A ping-pong's message leaves the moment its WQE is taken (``PeerLink.send_alone``).
+
+Two real devices on loopback, loops turned by hand (``test_batching``'s
+hosts).  A message that is the only thing its QP and its link have to send
+goes to the socket from the pump, ahead of the rest of the pass and of the
+link's bookkeeping for it (counter ``tx_alone``); messages posted together
+still leave together, in one system call.  That the datagrams themselves
+are what the usual path sends is ``tests/transport/test_link_alone.py``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from udpverbs.wire.shm import WcStatus as W, WrOpcode
+
+from .test_batching import Host, complete, connected
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_each_message_of_a_ping_pong_leaves_alone(native: bool) -> None:
+    a = Host("127.0.0.2", gso=True, native=native)
+    async with connected(a) as (a, b):
+        b.post_recv(50, 8192, 64)
+        a.mr.view[0:8] = b"pingpong"
+        # (opcode, messages a sends alone, messages b sends alone)
+        ops = [(WrOpcode.IBV_WR_RDMA_WRITE, 1, 0), (WrOpcode.IBV_WR_SEND, 1, 0),
+               (WrOpcode.IBV_WR_RDMA_READ, 1, 1), (WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, 1, 1)]
+        for i, (opcode, by_a, by_b) in enumerate(ops):
+            alone = a.dev.stats["tx_alone"], b.dev.stats["tx_alone"]
+            a.post_write(i, 0, 8, b, 128 if opcode == WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD else 64, opcode=opcode,
+                         compare_add=1)
+            assert complete(a, b, 1) == [(i, W.IBV_WC_SUCCESS)], opcode.name
+            assert (a.dev.stats["tx_alone"] - alone[0], b.dev.stats["tx_alone"] - alone[1]) == (by_a, by_b), \
+                opcode.name
+        assert bytes(b.mr.view[64:72]) == b"pingpong"
+        assert b.cqes()[0][:2] == (50, W.IBV_WC_SUCCESS)  # the Send's receive
+        assert a.dev.dump_stats().get("link_retransmits", 0) == 0
+
+
+async def test_messages_posted_together_leave_together() -> None:
+    async with connected() as (a, b):
+        if not a.dev.gso:
+            pytest.skip("this kernel has no UDP_SEGMENT")
+        sends = a.dev.stats["tx_gso_sends"]
+        for i in range(8):
+            a.post_write(i, 8 * i, 8, b, 64 + 8 * i)
+        a.dev.poll_once()
+        assert a.dev.stats["tx_alone"] == 0
+        assert a.dev.stats["tx_gso_sends"] == sends + 1  # all eight in one system call
+        assert complete(a, b, 8) == [(i, W.IBV_WC_SUCCESS) for i in range(8)]
+        assert bytes(b.mr.view[64:128]) == bytes(a.mr.view[0:64])
