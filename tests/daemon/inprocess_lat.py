@@ -5,7 +5,8 @@ and ``send_lat`` against ``write_lat``.  Two Devices in one process, both loops 
 hand, one operation at a time: each phase turns one device's loop until
 the phase is done (a datagram left, the data landed, the Read completed)
 and times it, with no scheduler, applications or other processes in the
-way.  A Write hop is two passes (the sender's, the receiver's); a Send
+way.  Writes and Sends are posted inline, as ``write_lat`` and
+``send_lat`` post them.  A Write hop is two passes (the sender's, the receiver's); a Send
 hop likewise, the receiver's taking a posted receive and writing its CQE
 (the two hosts Send in turn, as ``send_lat`` does, so each Send carries
 the Modified ACK of the one before it, and each posts the receive for the
@@ -83,6 +84,8 @@ async def main(iters: int, only: str | None, profile: str | None) -> None:
             a.dev.poll_once()
             b.dev.poll_once()
 
+    for h in (a, b):
+        h.qp.caps["max_inline_data"] = 64  # Writes and Sends go inline, as perftest posts them
     try:
         a.connect(b)
         b.connect(a)
@@ -95,7 +98,7 @@ async def main(iters: int, only: str | None, profile: str | None) -> None:
         for i in range(rounds if only is None else 0):
             marker = i % 255 + 1
             a.mr.view[1] = marker
-            a.post_write(i, 0, 2, b, 64)
+            a.post_write(i, 0, 2, b, 64, inline=True)
             sent = la.stats.data_sent
             phase("write_send", a, lambda: la.stats.data_sent > sent)
             phase("write_receive", b, lambda: b.mr.view[65] == marker)
@@ -130,7 +133,7 @@ async def main(iters: int, only: str | None, profile: str | None) -> None:
                 if i == 0 and k == 0:
                     dst.post_recv(recv_id, 512, 64)  # b's first
                 src.post_recv(5 * rounds + i if k == 0 else 4 * rounds + i + 1, 512, 64)
-                src.post_write(send_id, 0, 2, dst, 0, opcode=WrOpcode.IBV_WR_SEND)
+                src.post_write(send_id, 0, 2, dst, 0, opcode=WrOpcode.IBV_WR_SEND, inline=True)
                 sent = link.stats.data_sent
                 got: list[tuple[int, int]] = []
 

@@ -99,23 +99,28 @@ class Host:
                    rkey: int | None = None, *, sges: list[tuple[int, int]] | None = None,
                    opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE, qp: QueuePair | None = None,
                    imm: int = 0, compare_add: int = 0, swap: int = 0,
-                   local: tables.MemoryRegion | None = None) -> None:
+                   local: tables.MemoryRegion | None = None, inline: bool = False) -> None:
         """RDMA Write of ``length`` bytes from our MR at ``src_off`` to ``peer``'s at ``dst_off``
         (``rkey`` overrides the peer MR's STag; ``sges``, (offset, length) pairs
         in our MR, replace ``src_off`` and ``length``; ``opcode`` RDMA Read: from
         the peer's MR into ours; ``qp``: another of our QPs than QP 1; ``imm``:
         the WQE's immediate data or, for a Send with Invalidate, the STag;
         ``compare_add``, ``swap``: an atomic's operands; ``local``: the
-        region of ours the SGEs are in, instead of our MR)."""
+        region of ours the SGEs are in, instead of our MR; ``inline``: the
+        bytes go in the WQE, as ``IBV_SEND_INLINE`` posts them)."""
         ring = (qp or self.qp).sq
         ring.prod = ring.hdr.producer
         at = ring.next_slot_offset()
         sges = sges or [(src_off, length)]
-        shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(opcode),
-                                    int(shm.SendFlags.IBV_SEND_SIGNALED), len(sges), imm,
-                                    peer.mr.stag if rkey is None else rkey, 0, compare_add, swap)
+        flags = shm.SendFlags.IBV_SEND_SIGNALED | (shm.SendFlags.IBV_SEND_INLINE if inline else 0)
+        shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(opcode), int(flags),
+                                    0 if inline else len(sges), imm, peer.mr.stag if rkey is None else rkey,
+                                    length if inline else 0, compare_add, swap)
         mr = local or self.mr
-        for i, (off, n) in enumerate(sges):
+        if inline:
+            ring.buf[at + shm.SEND_WQE_SG_OFFSET:at + shm.SEND_WQE_SG_OFFSET + length] = \
+                mr.view[src_off:src_off + length]
+        for i, (off, n) in enumerate(sges if not inline else []):
             shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET + i * shm.SGE_SIZE, mr.addr + off, n, mr.stag)
         ring.push()
         ring.publish()

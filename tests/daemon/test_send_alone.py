@@ -50,3 +50,28 @@ async def test_messages_posted_together_leave_together() -> None:
         assert a.dev.stats["tx_gso_sends"] == sends + 1  # all eight in one system call
         assert complete(a, b, 8) == [(i, W.IBV_WC_SUCCESS) for i in range(8)]
         assert bytes(b.mr.view[64:128]) == bytes(a.mr.view[0:64])
+
+
+async def test_inline_writes_of_every_size_arrive_and_complete() -> None:
+    # An inline Write's segment is built straight from the WQE (``_write_inline``):
+    # each size up to the QP's max_inline_data, alone or among other WQEs,
+    # lands byte-exact and completes in order; one byte more is a local
+    # length error, as before.
+    async with connected() as (a, b):
+        a.qp.caps["max_inline_data"] = 64
+        a.mr.view[:4096] = bytes(range(256)) * 16
+        sizes = [0, 1, 2, 7, 33, 64]
+        for i, n in enumerate(sizes):  # one at a time: each leaves alone
+            a.post_write(i, 64 * i, n, b, 8192 + 64 * i, inline=True)
+            a.mr.view[64 * i:64 * i + n] = bytes(n)  # the WQE holds the bytes: the source may change
+            assert complete(a, b, 1) == [(i, W.IBV_WC_SUCCESS)]
+        for i, n in enumerate(sizes):  # all at once, between SGE Writes: they leave together
+            a.post_write(100 + 2 * i, 64 * i, n, b, 16384 + 64 * i, inline=True)
+            a.post_write(101 + 2 * i, 64 * i, n, b, 24576 + 64 * i)
+        assert complete(a, b, 2 * len(sizes)) == [(100 + i, W.IBV_WC_SUCCESS) for i in range(2 * len(sizes))]
+        for i, n in enumerate(sizes):
+            want = (bytes(range(256)) * 16)[64 * i:64 * i + n]
+            assert bytes(b.mr.view[8192 + 64 * i:8192 + 64 * i + n]) == want
+            assert bytes(b.mr.view[16384 + 64 * i:16384 + 64 * i + n]) == bytes(n)  # posted after the change
+        a.post_write(200, 0, 65, b, 0, inline=True)
+        assert complete(a, b, 1) == [(200, W.IBV_WC_LOC_LEN_ERR)]
