@@ -530,7 +530,11 @@ class Device:
         self._sq_watch = SQWatch([], None)
         self._to_complete: dict[QueuePair, None] = {}
         self._to_pump: dict[QueuePair, None] = {}
-        self._prefetch: list[QueuePair] = []  # QPs whose next receive to resolve once the pass's sends left
+        self._prefetch: list[QueuePair] = []
+        # Answer a lone request the compiled lane takes at once (``_place_run``).
+        # The Python path answers when the pass pumps, so tests that compare
+        # the two datagram for datagram turn this off.
+        self.answer_at_once = True  # QPs whose next receive to resolve once the pass's sends left
         # UDPVERBS_CHECK_PASSES=1 (the test suite sets it): check after every
         # pass that no QP it left out had work (``check_pass``)
         self.check_passes = os.environ.get("UDPVERBS_CHECK_PASSES", "") not in ("", "0")
@@ -1135,6 +1139,14 @@ class Device:
                 else:
                     at = self._take_whole(qp, op, msn, data, off, seg, k)
                     self.stats["rx_native_requests"] += k
+                    if k == 1 and at >= len(data) and self.answer_at_once:
+                        # A lone request, the last of what this receive
+                        # brought (read_lat, atomic_lat): the requester
+                        # waits on nothing else, so it is answered now, not
+                        # after the rest of the pass (5 us of each round
+                        # trip).  A batch's answers leave together when the
+                        # pass pumps.
+                        self._pump(qp, start=False)
                 self.qp_changed(qp)  # the answers go, or the WRs complete, this pass
                 self.stats["rx_native_datagrams"] += k
                 return at - off

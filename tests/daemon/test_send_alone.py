@@ -75,3 +75,40 @@ async def test_inline_writes_of_every_size_arrive_and_complete() -> None:
             assert bytes(b.mr.view[16384 + 64 * i:16384 + 64 * i + n]) == bytes(n)  # posted after the change
         a.post_write(200, 0, 65, b, 0, inline=True)
         assert complete(a, b, 1) == [(200, W.IBV_WC_LOC_LEN_ERR)]
+
+
+@pytest.mark.parametrize("opcode", [WrOpcode.IBV_WR_RDMA_READ, WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD])
+async def test_a_lone_request_is_answered_before_the_rest_of_the_pass(opcode: WrOpcode) -> None:
+    # The responder answers a request it took alone through the compiled
+    # lane at once, before the pass's link upkeep (timers, completions, the
+    # pump); a batch of requests waits for the pump, as before.
+    async with connected() as (a, b):
+        order: list[str] = []
+        link = b.qp.link.link
+        upkeep = link.next_deadline
+        link.next_deadline = lambda: order.append("upkeep") or upkeep()  # type: ignore[method-assign]
+        sock = b.dev.sock
+        send = sock.sendto
+
+        class Recording:
+            def __getattr__(self, name: str) -> object:
+                return getattr(sock, name)
+
+            def sendto(self, data: bytes, addr: object) -> int:
+                order.append("answer")
+                return send(data, addr)
+
+        b.dev.sock = Recording()  # type: ignore[assignment]
+        for i in range(4):
+            a.post_write(i, 0, 8, b, 128, opcode=opcode, compare_add=1)
+            a.dev.poll_once()  # the request leaves
+            for _ in range(200):  # until b has taken it through the lane and answered
+                order.clear()
+                b.dev.poll_once()
+                if "answer" in order:
+                    break
+            if i:  # the first one sets the lane's hint through the Python path
+                assert order.index("answer") < order.index("upkeep"), order
+            assert complete(a, b, 1) == [(i, W.IBV_WC_SUCCESS)]
+        assert b.dev.stats["rx_native_requests"] == 3
+        b.dev.sock = sock
