@@ -662,9 +662,9 @@ class QueuePair:
 
     def _start_next(self) -> int:
         """Take the next WQE off the SQ if the engine can; return how many
-        link messages that queued (an inline Write's one segment goes at
-        once; other WQEs' messages go as the pump comes back to them), or
-        -1 if no WQE was taken."""
+        link messages that queued (an inline one-segment Write's segment
+        is queued, or sent, at once; other WQEs' messages as the pump comes
+        back to them), or -1 if no WQE was taken."""
         sq = self.sq
         try:
             if not sq.available():

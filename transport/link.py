@@ -874,7 +874,8 @@ class Link:
     def frame_alone(self, message: bytes | bytearray, now: float, ack_now: bool = True) -> bytes | None:
         """The packet that :meth:`send` then :meth:`bursts_to_send` would
         send for ``message`` right now, if it would be the only one; else
-        None.  Changes nothing: the caller sends the packet and then calls
+        None.  Changes nothing but the record of the receive window the
+        packet advertises: the caller sends the packet and then calls
         :meth:`sent_alone` with it, so the link's bookkeeping comes after
         the datagram has left (a ping-pong's peer waits on the datagram,
         not on the bookkeeping)."""
