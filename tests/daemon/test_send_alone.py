@@ -112,3 +112,19 @@ async def test_a_lone_request_is_answered_before_the_rest_of_the_pass(opcode: Wr
             assert complete(a, b, 1) == [(i, W.IBV_WC_SUCCESS)]
         assert b.dev.stats["rx_native_requests"] == 3
         b.dev.sock = sock
+
+
+async def test_one_segment_writes_from_sges_arrive_and_complete() -> None:
+    # A Write that fits one segment is built in _start_next from its SGEs
+    # too; one byte more takes the segmenting path.  Both land byte-exact.
+    async with connected() as (a, b):
+        a.mr.view[:8192] = bytes(range(256)) * 32
+        max_data = a.qp.link.max_data
+        writes = [(0, [(0, 0)]), (1, [(5, max_data)]), (2, [(0, 100), (300, 50), (1000, 7)]),
+                  (3, [(11, max_data + 1)]), (4, [(0, max_data - 10), (4000, 10)])]
+        for wr_id, sges in writes:
+            a.post_write(wr_id, 0, 0, b, 65536 * (1 + wr_id), sges=sges)
+            assert complete(a, b, 1) == [(wr_id, W.IBV_WC_SUCCESS)]
+            want = b"".join(bytes(a.mr.view[off:off + n]) for off, n in sges)
+            at = 65536 * (1 + wr_id)
+            assert bytes(b.mr.view[at:at + len(want)]) == want
