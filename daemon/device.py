@@ -659,7 +659,7 @@ class Device:
             log.info("link %s:%d cwnd %.0f srtt %s", pl.addr[0], pl.addr[1], pl.link.cwnd_bytes, pl.link.srtt_s)
             try:
                 pl.link.close(now)
-                self._flush_link(pl)
+                self.flush_link(pl)
             except Exception:  # closing must not fail on a broken link
                 pass
         self.announce_fatal()
@@ -911,7 +911,7 @@ class Device:
         # peer's RTT sample should hold the path, not our pass.
         self.now = self._clock()
         for pl in list(links.values()):
-            if self._flush_link(pl):
+            if self.flush_link(pl):
                 progress = True
         if self._prefetch:
             prefetch, self._prefetch = self._prefetch, []
@@ -1378,7 +1378,9 @@ class Device:
                 assert not (wr.done or 0 <= wr.last_n < qp.link.link.acked), \
                     f"QP {qp.qpn} left out with WR {wr.wr_id} to complete"
 
-    def _flush_link(self, pl: PeerLink) -> bool:
+    def flush_link(self, pl: PeerLink) -> bool:
+        """Send what ``pl``'s link lets leave now (its queued requests
+        first); True if anything was sent."""
         if pl.requests:
             pl.flush_requests()
         link = pl.link

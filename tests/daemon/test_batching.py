@@ -398,7 +398,7 @@ async def test_requests_queued_for_a_link_that_ended_are_dropped() -> None:
         pl.send_request(bytearray(54))
         pl.send_request(bytearray(54))
         pl.link.close(a.dev.now)
-        a.dev._flush_link(pl)  # no exception: the link's end fails its QPs instead
+        a.dev.flush_link(pl)  # no exception: the link's end fails its QPs instead
         assert pl.requests == []
 
 

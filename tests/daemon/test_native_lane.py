@@ -150,7 +150,7 @@ def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[byte
             qp.complete_acked(link.acked)
         qp.pump(64)
     if pl.requests:  # type: ignore[attr-defined]
-        pl.flush_requests()  # type: ignore[attr-defined]  # as Device._flush_link does
+        pl.flush_requests()  # type: ignore[attr-defined]  # as Device.flush_link does
     sent, dev.sock.sent = dev.sock.sent, []  # type: ignore[union-attr]
     return sent + link.datagrams_to_send(now, clock)
 

@@ -128,3 +128,20 @@ async def test_one_segment_writes_from_sges_arrive_and_complete() -> None:
             want = b"".join(bytes(a.mr.view[off:off + n]) for off, n in sges)
             at = 65536 * (1 + wr_id)
             assert bytes(b.mr.view[at:at + len(want)]) == want
+
+
+@pytest.mark.parametrize("opcode", [WrOpcode.IBV_WR_RDMA_WRITE, WrOpcode.IBV_WR_SEND])
+async def test_a_long_turn_sends_what_it_has_every_32_work_requests(opcode: WrOpcode) -> None:
+    # 64 small messages posted together: one pump turn takes them all, and
+    # sends the first 32 before it takes the rest (qp._FLUSH_EVERY), so the
+    # peer, and for Sends its Modified ACK, start on them sooner.  (Only A's
+    # side is turned: what B would do with them is not the point.)
+    async with connected() as (a, b):
+        if not a.dev.gso:
+            pytest.skip("this kernel has no UDP_SEGMENT")
+        sends = a.dev.stats["tx_gso_sends"]
+        for i in range(64):
+            a.post_write(i, 8 * (i % 8), 8, b, 64 + 8 * (i % 8), opcode=opcode)
+        a.dev.poll_once()
+        assert a.dev.stats["tx_gso_sends"] == sends + 2  # 32, then 32 at the end of the pass
+        assert a.qp.link.link.stats.data_sent >= 64
