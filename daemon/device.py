@@ -530,11 +530,11 @@ class Device:
         self._sq_watch = SQWatch([], None)
         self._to_complete: dict[QueuePair, None] = {}
         self._to_pump: dict[QueuePair, None] = {}
-        self._prefetch: list[QueuePair] = []
+        self._prefetch: list[QueuePair] = []  # QPs whose next receive to resolve once the pass's sends left
         # Answer a lone request the compiled lane takes at once (``_place_run``).
         # The Python path answers when the pass pumps, so tests that compare
         # the two datagram for datagram turn this off.
-        self.answer_at_once = True  # QPs whose next receive to resolve once the pass's sends left
+        self.answer_at_once = True
         # UDPVERBS_CHECK_PASSES=1 (the test suite sets it): check after every
         # pass that no QP it left out had work (``check_pass``)
         self.check_passes = os.environ.get("UDPVERBS_CHECK_PASSES", "") not in ("", "0")

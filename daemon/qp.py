@@ -937,7 +937,9 @@ class QueuePair:
             self._tagged_packer()(buf, last, s.wr.rkey, (s.wr.raddr + s.sent) & _U64)
             if n:
                 s.gather.copy_out(buf, _TAGGED_PREFIX, n)
-            num = self._send_or_queue(buf) if last and not s.sent and not s.with_imm else link.send(buf)
+            # (a one-segment Write without Immediate Data never gets here:
+            # _start_next sends it)
+            num = link.send(buf)
             s.sent += n
             sent += 1
             if last:

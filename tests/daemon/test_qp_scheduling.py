@@ -81,7 +81,7 @@ async def test_an_idle_pass_visits_no_qp_and_a_post_wakes_only_its_own(monkeypat
         b.close()
 
 
-class _Tap:
+class Tap:
     """The socket of a Device, recording the QPN and opcode of every DDP
     segment it sends."""
 
@@ -121,7 +121,7 @@ async def test_qps_take_turns_and_each_write_leaves_in_one_run(native: bool) -> 
     (no QP starts its third Write before every QP has started its first)."""
     a, b = Host("127.0.0.2", gso=True, native=native), Host("127.0.0.3", gso=True, native=native)
     a.dev.link_config.send_buffer_packets = 60
-    tap = _Tap(a.dev.sock)
+    tap = Tap(a.dev.sock)
     try:
         pairs = qp_pairs(a, b, 3)
         await establish(a, b)

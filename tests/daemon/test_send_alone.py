@@ -15,6 +15,7 @@ import pytest
 from udpverbs.wire.shm import WcStatus as W, WrOpcode
 
 from .test_batching import Host, complete, connected
+from .test_qp_scheduling import Tap
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -83,35 +84,25 @@ async def test_a_lone_request_is_answered_before_the_rest_of_the_pass(opcode: Wr
     # lane at once, before the pass's link upkeep (timers, completions, the
     # pump); a batch of requests waits for the pump, as before.
     async with connected() as (a, b):
-        order: list[str] = []
+        tap = b.dev.sock = Tap(b.dev.sock)  # type: ignore[assignment]
         link = b.qp.link.link
         upkeep = link.next_deadline
-        link.next_deadline = lambda: order.append("upkeep") or upkeep()  # type: ignore[method-assign]
-        sock = b.dev.sock
-        send = sock.sendto
-
-        class Recording:
-            def __getattr__(self, name: str) -> object:
-                return getattr(sock, name)
-
-            def sendto(self, data: bytes, addr: object) -> int:
-                order.append("answer")
-                return send(data, addr)
-
-        b.dev.sock = Recording()  # type: ignore[assignment]
+        seen: list[int] = []  # the answers sent by each call of the link upkeep
+        link.next_deadline = lambda: seen.append(len(tap.sent)) or upkeep()  # type: ignore[method-assign]
         for i in range(4):
             a.post_write(i, 0, 8, b, 128, opcode=opcode, compare_add=1)
             a.dev.poll_once()  # the request leaves
+            before = len(tap.sent)
             for _ in range(200):  # until b has taken it through the lane and answered
-                order.clear()
+                seen.clear()
                 b.dev.poll_once()
-                if "answer" in order:
+                if len(tap.sent) > before:
                     break
             if i:  # the first one sets the lane's hint through the Python path
-                assert order.index("answer") < order.index("upkeep"), order
+                assert seen[0] > before, "answered after the upkeep"
             assert complete(a, b, 1) == [(i, W.IBV_WC_SUCCESS)]
         assert b.dev.stats["rx_native_requests"] == 3
-        b.dev.sock = sock
+        b.dev.sock = tap.sock
 
 
 async def test_one_segment_writes_from_sges_arrive_and_complete() -> None:
