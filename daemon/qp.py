@@ -690,8 +690,6 @@ class QueuePair:
             return -1  # ORD reached: wait for a response (RFC 5040 §6.5; atomics share it, RFC 7306 §6)
         if flags & _SEND_FENCE and self.orrq:
             return -1  # fence: earlier Reads and atomics must finish first
-        signaled = bool(self.sq_sig_all or flags & _SEND_SIGNALED)
-        wr = OutWR(wr_id, _wc_opcode(opcode), signaled, 0)
         status = _WC_SUCCESS
         gather = None
         msg = None  # a one-segment RDMA Write's segment, built here (see below)
@@ -718,23 +716,28 @@ class QueuePair:
                 status = W.IBV_WC_LOC_LEN_ERR  # longer than the port's max_msg_sz
             elif opcode in _ATOMIC_WR and gather.total != 8:
                 status = W.IBV_WC_LOC_LEN_ERR  # the original value is one 64-bit word
-        sq.pop()
-        max_data = self.link.max_data  # type: ignore[union-attr]
-        if gather is not None:
-            wr.byte_len = gather.total
-            if opcode == _WR_WRITE and status == _WC_SUCCESS and gather.total <= max_data:
-                msg = self._write_segment(gather.total, rkey, raddr)
-                gather.copy_out(msg, _TAGGED_PREFIX, gather.total)
-        elif msg is not None:
-            wr.byte_len = len(msg) - _TAGGED_PREFIX
-        wr.rkey, wr.raddr = rkey, raddr
-        self.outstanding.append(wr)
+        if (gather is not None and opcode == _WR_WRITE and status == _WC_SUCCESS
+                and gather.total <= self.link.max_data):  # type: ignore[union-attr]
+            msg = self._write_segment(gather.total, rkey, raddr)
+            gather.copy_out(msg, _TAGGED_PREFIX, gather.total)
         if msg is not None:
             # A one-segment RDMA Write: queued (or sent) now, with no gather
             # list or Write under way for the pump to come back to (3 µs of
-            # an inline write_lat hop in one process, 1 µs with an SGE).
-            self._write_queued(wr, self._send_or_queue(msg))  # type: ignore[arg-type]
+            # an inline write_lat hop in one process, 1 µs with an SGE), and
+            # before the WR's bookkeeping, which the peer does not wait for.
+            num = self._send_or_queue(msg, taking=1)
+            sq.pop()
+            wr = OutWR(wr_id, _wc_opcode(opcode), bool(self.sq_sig_all or flags & _SEND_SIGNALED), len(msg) - _TAGGED_PREFIX)
+            wr.rkey, wr.raddr = rkey, raddr
+            self.outstanding.append(wr)
+            self._write_queued(wr, num)  # type: ignore[arg-type]
             return 1
+        sq.pop()
+        wr = OutWR(wr_id, _wc_opcode(opcode), bool(self.sq_sig_all or flags & _SEND_SIGNALED), 0)
+        if gather is not None:
+            wr.byte_len = gather.total
+        wr.rkey, wr.raddr = rkey, raddr
+        self.outstanding.append(wr)
         if status != _WC_SUCCESS or gather is None:
             wr.status = status if status != _WC_SUCCESS else W.IBV_WC_GENERAL_ERR
             wr.done = True
@@ -802,16 +805,19 @@ class QueuePair:
         else:
             self._send_or_queue(buf, request=request)
 
-    def _send_or_queue(self, buf: bytearray, ack_now: bool = True, request: bool = False) -> int | None:
+    def _send_or_queue(self, buf: bytearray, ack_now: bool = True, request: bool = False,
+                       taking: int = 0) -> int | None:
         """Queue the whole message ``buf`` on the link, or, when it is the
         last thing this QP has to send for now, send it at once if the link
         would send it alone anyway (``PeerLink.send_alone``): in a ping-pong
         the peer waits on this datagram, and the rest of the pass (the
         link's bookkeeping included) can come after it.  Returns its link
-        message number (None for a request queued with ``send_request``)."""
+        message number (None for a request queued with ``send_request``).
+        ``taking``: WQEs still on the SQ that are this message's (1 while
+        ``_start_next`` has not popped the one it builds from)."""
         link = self.link
         assert link is not None
-        if not self.irrq and self.q0_cursor >= len(self.q0) and self.sq.hdr.producer == self.sq.cons:
+        if not self.irrq and self.q0_cursor >= len(self.q0) and (self.sq.hdr.producer - self.sq.cons) & _U32 == taking:
             num = link.send_alone(buf, ack_now, not request)
             if num is not None:
                 return num
