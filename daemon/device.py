@@ -555,6 +555,7 @@ class Device:
         self.rx_stamps = False  # SO_TIMESTAMPNS arrival times (set by bind)
         self.native = wire_native.load() if config.native else None
         self._rx_run: Any = None
+        self._rx_run_write: Any = None  # what _rx_run is set for: (rx_hint, region, dest QPN) of a Write
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
             # the lane's buffer for whole requests and Atomic Responses: none
@@ -1018,60 +1019,73 @@ class Device:
         and an Atomic Response it takes, as the Python path does, with all
         of that path's checks.
         """
-        qp, stag, op = pl.rx_hint  # type: ignore[misc]
+        hint = pl.rx_hint
+        qp, stag, op = hint  # type: ignore[misc]
         if qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
             pl.rx_hint = None
             return 0
         r = self._rx_run
-        r.untagged = r.qn = r.whole = r.last_fills = r.many = 0
-        r.last_ends = op != _OP_WRITE
-        request = _REQUEST_LANE.get(op)
-        if request is not None:
-            # A Read or atomic request, or an Atomic Response: the lane
-            # checks its packet and its header (queue, MSN, one whole
-            # segment of its size) and copies nothing; the QP takes it
-            # below, from the datagram, as the Python path does.
-            r.ctrl_more, r.rctl, r.ctrl_last, r.qn, r.length = request
-            view, start = None, 0
-            r.base, r.sequential, r.next_to = 0, 1, 0
-            r.untagged = r.whole = r.last_fills = r.many = 1
-            r.msn = msn = (qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn
-                           if op == _OP_ATOMIC_REQUEST else qp.rx_atomic_resp_msn)
-        elif op == _OP_READ_RESPONSE:
-            # Read Responses into the ORRQ head's sink, in order; the last
-            # one (which must fill the sink) ends the run.  Each Read has a
-            # sink STag of its own: the lane expects the head's, not the
-            # hint's (the Read before it).
-            rd = qp.orrq[0] if qp.orrq else None
-            if type(rd) is not _PendingRead or len(rd.gather.pieces) != 1:
-                pl.rx_hint = None
-                return 0
-            stag = rd.wr.sink_stag
-            view, start, _ = rd.gather.pieces[0]
-            r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
-            r.last_fills = 1
-            r.ctrl_more, r.rctl, r.ctrl_last = _READ_RESPONSE_CTRL
-        elif op != _OP_WRITE:
-            # A receive under way, or the next posted one for a Send that
-            # starts here (taken from the ring only if the lane fills it).
-            recv = None if qp.rx_imm_pending or qp.rx_rnr else qp.rx_recv or qp.peek_receive()
-            gather = None if recv is None else recv[1]
-            if gather is None or len(gather.pieces) != 1:
-                pl.rx_hint = None
-                return 0
-            view, start, length = gather.pieces[0]
-            r.base, r.length, r.sequential = 0, length, 1
-            r.next_to = 0 if recv is not qp.rx_recv else qp.rx_placed
-            r.untagged, r.msn = 1, qp.rx_msn
-            r.ctrl_more, r.rctl, r.ctrl_last = _SEND_CTRL[op]
-        else:
+        request = None
+        if op == _OP_WRITE:
             mr = self.stags.lookup(stag)
             if mr is None or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE:
                 pl.rx_hint = None
                 return 0
             view, start = mr.view, 0
-            r.base, r.length, r.sequential = 0 if mr.zero_based else mr.addr, mr.length, 0
-            r.ctrl_more, r.rctl, r.ctrl_last = _WRITE_CTRL
+            key = (hint, mr, qp.dest_qpn)
+            if self._rx_run_write != key:
+                # What the lane reads of a Write's run, the same for every
+                # run into this region from this QP: set once, not per
+                # datagram (the lane changes none of it).
+                r.untagged = r.qn = r.whole = r.last_fills = r.many = r.last_ends = 0
+                r.base, r.length, r.sequential = 0 if mr.zero_based else mr.addr, mr.length, 0
+                r.ctrl_more, r.rctl, r.ctrl_last = _WRITE_CTRL
+                r.w0, r.w1, r.stag = segment._DDP_WORD | qp.qpn, qp.dest_qpn, stag
+                self._rx_run_write = key
+        else:
+            self._rx_run_write = None
+            r.untagged = r.qn = r.whole = r.last_fills = r.many = 0
+            r.last_ends = 1
+            request = _REQUEST_LANE.get(op)
+            if request is not None:
+                # A Read or atomic request, or an Atomic Response: the lane
+                # checks its packet and its header (queue, MSN, one whole
+                # segment of its size) and copies nothing; the QP takes it
+                # below, from the datagram, as the Python path does.
+                r.ctrl_more, r.rctl, r.ctrl_last, r.qn, r.length = request
+                view, start = None, 0
+                r.base, r.sequential, r.next_to = 0, 1, 0
+                r.untagged = r.whole = r.last_fills = r.many = 1
+                r.msn = msn = (qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn
+                               if op == _OP_ATOMIC_REQUEST else qp.rx_atomic_resp_msn)
+            elif op == _OP_READ_RESPONSE:
+                # Read Responses into the ORRQ head's sink, in order; the last
+                # one (which must fill the sink) ends the run.  Each Read has a
+                # sink STag of its own: the lane expects the head's, not the
+                # hint's (the Read before it).
+                rd = qp.orrq[0] if qp.orrq else None
+                if type(rd) is not _PendingRead or len(rd.gather.pieces) != 1:
+                    pl.rx_hint = None
+                    return 0
+                stag = rd.wr.sink_stag
+                view, start, _ = rd.gather.pieces[0]
+                r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
+                r.last_fills = 1
+                r.ctrl_more, r.rctl, r.ctrl_last = _READ_RESPONSE_CTRL
+            else:
+                # A receive under way, or the next posted one for a Send that
+                # starts here (taken from the ring only if the lane fills it).
+                recv = None if qp.rx_imm_pending or qp.rx_rnr else qp.rx_recv or qp.peek_receive()
+                gather = None if recv is None else recv[1]
+                if gather is None or len(gather.pieces) != 1:
+                    pl.rx_hint = None
+                    return 0
+                view, start, length = gather.pieces[0]
+                r.base, r.length, r.sequential = 0, length, 1
+                r.next_to = 0 if recv is not qp.rx_recv else qp.rx_placed
+                r.untagged, r.msn = 1, qp.rx_msn
+                r.ctrl_more, r.rctl, r.ctrl_last = _SEND_CTRL[op]
+            r.w0, r.w1, r.stag = segment._DDP_WORD | qp.qpn, qp.dest_qpn, stag
         link = pl.link
         expect = link.run_receivable()
         if expect is None:
@@ -1081,9 +1095,6 @@ class Device:
             room = limit if limit < _WHOLE_MAX else _WHOLE_MAX
             if r.max_count > room:
                 r.max_count = room
-        r.w0 = segment._DDP_WORD | qp.qpn
-        r.w1 = qp.dest_qpn
-        r.stag = stag
         ffi = self.native.ffi
         if view is None:
             mem = self._no_mem

@@ -461,6 +461,45 @@ async def test_writes_interleaved_over_many_qps_stay_in_the_lane() -> None:
         b.close()
 
 
+async def test_writes_between_sends_keep_the_lane() -> None:
+    # The lane's run settings for a Write are kept from one run to the next
+    # while the hint and the region stay the same; a Send's run in between
+    # changes them, and the next Write must set them again, or the lane
+    # turns every Write after the first away to the Python path.
+    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
+    try:
+        a.connect(b)
+        b.connect(a)
+        await establish(a, b)
+        rng = random.Random(11)
+        a.mr.view[:] = rng.randbytes(MR_LEN)
+        length, rounds = 4_000, 4  # three segments each
+        for i in range(rounds):
+            b.post_recv(100 + i, 500_000 + i * length, length)
+        for i in range(rounds):
+            a.post_write(2 * i, i * length, length, b, i * length)
+            a.post_write(2 * i + 1, 100_000 + i * length, length, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+        done: list[tuple[int, int]] = []
+        for _ in range(20000):
+            a.dev.poll_once()
+            b.dev.poll_once()
+            done += a.completions()
+            if len(done) == 2 * rounds:
+                break
+        assert sorted(done) == [(k, 0) for k in range(2 * rounds)]
+        assert sorted(b.completions()) == [(100 + i, 0) for i in range(rounds)]
+        assert bytes(b.mr.view[:rounds * length]) == bytes(a.mr.view[:rounds * length])
+        sent = bytes(a.mr.view[100_000:100_000 + rounds * length])
+        assert bytes(b.mr.view[500_000:500_000 + rounds * length]) == sent
+        received = b.dev.dump_stats()["link_data_received"]
+        assert received == 2 * rounds * 3
+        # each message's first segment sets the hint; the lane takes the rest
+        assert b.dev.stats["rx_native_datagrams"] >= received - 2 * rounds
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("loss", [0.0, 0.05])
 def test_sends_go_through_the_lane_and_arrive_byte_exact(loss: float) -> None:
     sends = [(100_000, "ok"), (50_000, "imm"), (70_001, "inv"), (1, "ok")]
