@@ -176,6 +176,7 @@ DAEMON_PACING_BURST_S = 1e-3
 DAEMON_MIN_RTO_S = 0.02
 _RX_BUF = 1 << 16
 _ERR = S.IBV_QPS_ERR
+_RTS = S.IBV_QPS_RTS
 _BY_RANK = operator.attrgetter("rank")
 _RNR_UNTIL = operator.attrgetter("rnr_until")
 _FLOW_ACK_HOLD = operator.attrgetter("flow_hold.until")
@@ -574,6 +575,9 @@ class Device:
         self.cm: Any = None  # set by the connection manager
         self._sleeping = False
         self._delivered = False  # a message reached a QP since the last yield to applications
+        #: the QP this pass last delivered to, whose application may answer
+        #: before the pass reaches the SQ watch (``_answer_early``)
+        self._delivered_to: QueuePair | None = None
         # Yield after a delivery only if an application may be waiting on one
         # of our CPUs (sessions_changed).
         self.yield_on_delivery = True
@@ -834,6 +838,8 @@ class Device:
                 for pl in touched:
                     for msg in pl.link.drain_received():
                         self._dispatch(pl, msg)
+        if self._delivered_to is not None:
+            self._answer_early()
         to_complete = self._to_complete
         for pl in list(links.values()):
             link = pl.link
@@ -851,6 +857,8 @@ class Device:
                 acked = link.acked
                 while waiters and waiters[0][0] < acked:
                     to_complete[waiters.popleft()[1]] = None
+        if self._delivered_to is not None:
+            self._answer_early()
         delivered = self._delivered
         if to_complete:
             self._to_complete = {}
@@ -873,6 +881,7 @@ class Device:
             if self.yield_on_delivery:
                 self.stats["delivery_yields"] += 1
                 os.sched_yield()
+        self._delivered_to = None
         to_pump = self._to_pump
         for qp in self._sq_watch.take_posted():
             if qp.link is not None:
@@ -1147,6 +1156,7 @@ class Device:
                 if op == _OP_ATOMIC_RESPONSE:
                     self.stats["rx_native_atomic_responses"] += k
                     self._delivered = True  # the original values are in the application's memory
+                    self._delivered_to = qp
                 else:
                     at = self._take_whole(qp, op, msn, data, off, seg, k)
                     self.stats["rx_native_requests"] += k
@@ -1162,6 +1172,7 @@ class Device:
                 self.stats["rx_native_datagrams"] += k
                 return at - off
             self._delivered = True
+            self._delivered_to = qp
             self.stats["rx_native_datagrams"] += k
         used = k * seg
         if used >= len(data) - off:
@@ -1291,6 +1302,7 @@ class Device:
         self._rx_run.ended = calls[-1][2]
         self.qp_changed(qp)  # the Reads complete
         self._delivered = True
+        self._delivered_to = qp
         return calls[-1][11]
 
     def _write_rehint(self, pl: PeerLink) -> bool:
@@ -1329,6 +1341,30 @@ class Device:
             # Our Sends are out: the peer's may answer them, into our next receive
             self._prefetch.append(qp)
         return bool(sent)
+
+    def _answer_early(self) -> None:
+        """Take the answer to what this pass delivered as soon as the
+        application has posted it, not when the pass reaches the SQ watch.
+
+        In a ping-pong the application sees the data (or the CQE) at once and
+        posts its answer while this pass goes on with the ACK the message
+        carried, the links' timers and the completions; the pass looks here
+        between those steps.  Only a watched QP (nothing of it pending) on a
+        link where no other QP waits its turn: anything else keeps its order.
+        """
+        qp = self._delivered_to
+        assert qp is not None
+        sq = qp.sq
+        if sq.hdr.producer == sq.cons:
+            return  # not yet: the next step looks again
+        self._delivered_to = None
+        pl = qp.link
+        if pl is None or pl.ready or qp.state != _RTS or qp not in self._sq_watch:
+            return
+        self._sq_watch.discard(qp)
+        self.stats["answered_early"] += 1
+        self._pump(qp)
+        self._settle(qp)
 
     def _settle(self, qp: QueuePair) -> None:
         """Put ``qp``, just visited, where it waits for its next visit (see
@@ -1537,6 +1573,7 @@ class Device:
                             pl.rx_hint = (qp, 0, op)  # the next request
                     else:
                         self._delivered = True
+                        self._delivered_to = qp
                         if self.native is not None:
                             if op == _OP_WRITE or op == _OP_READ_RESPONSE:
                                 pl.rx_hint = (qp, hdr.stag, op)

@@ -14,7 +14,7 @@ import pytest
 
 from udpverbs.wire.shm import WcStatus as W, WrOpcode
 
-from .test_batching import Host, complete, connected
+from .test_batching import Host, complete, connected, establish, qp_pairs
 from .test_qp_scheduling import Tap
 
 
@@ -136,3 +136,87 @@ async def test_a_long_turn_sends_what_it_has_every_32_work_requests(opcode: WrOp
         a.dev.poll_once()
         assert a.dev.stats["tx_gso_sends"] == sends + 2  # 32, then 32 at the end of the pass
         assert a.qp.link.link.stats.data_sent >= 64
+
+
+async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int) -> list[str]:
+    """a Writes to b; b's application posts its answering Write the moment
+    b's pass has placed the data (while the pass goes on with the link's
+    accounting of it).  Returns what b's pass did, in order: "answer" (the
+    answer's datagram left) and "upkeep" (the links' timers were looked at)."""
+    events: list[str] = []
+    posted: list[bool] = []
+    link = b.qp.link.link
+    accounted, deadline = link.data_run_received, link.next_deadline
+
+    def data_run_received(*args: object) -> None:
+        b.post_write(wr_id, 0, 8, a, 256, inline=True)  # the application reacts at once
+        posted.append(True)
+        accounted(*args)
+
+    def next_deadline() -> float | None:
+        events.append("upkeep")
+        return deadline()
+
+    class Sock(Tap):
+        def sendto(self, data: object, addr: object) -> int:
+            events.append("answer")
+            return super().sendto(data, addr)
+
+    b.dev.sock = Sock(b.dev.sock)
+    link.data_run_received, link.next_deadline = data_run_received, next_deadline  # type: ignore[method-assign]
+    try:
+        a.post_write(wr_id, 0, 8, b, 64, inline=True)
+        a.dev.poll_once()
+        for _ in range(200):
+            events.clear()
+            b.dev.poll_once()
+            if posted:
+                break  # the pass that placed a's Write
+    finally:
+        b.dev.sock = b.dev.sock.sock
+        del link.data_run_received, link.next_deadline
+    return events
+
+
+async def test_an_answer_posted_while_the_pass_goes_on_leaves_before_the_upkeep() -> None:
+    # write_lat's server: the application sees the data and posts its answer
+    # while the daemon's pass is still accounting for the Write it placed.
+    # The pass looks for it between its steps (``Device._answer_early``), so
+    # the answer leaves before the links' timers and completions are done.
+    async with connected() as (a, b):
+        for h in (a, b):
+            h.qp.caps["max_inline_data"] = 64
+        a.mr.view[0:8], b.mr.view[0:8] = b"pingpong", b"pongping"
+        a.post_write(1, 0, 8, b, 64, inline=True)  # sets b's hint: the next Writes take the compiled lane
+        assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
+        for i in range(3):
+            early = b.dev.stats["answered_early"]
+            events = await _a_write_b_answers_mid_pass(a, b, 10 + i)
+            assert events[:2] == ["answer", "upkeep"], i
+            assert b.dev.stats["answered_early"] == early + 1
+            assert complete(b, a, 1) == [(10 + i, W.IBV_WC_SUCCESS)]
+        assert bytes(b.mr.view[64:72]) == b"pingpong" and bytes(a.mr.view[256:264]) == b"pongping"
+        assert b.dev.dump_stats().get("link_retransmits", 0) == 0
+
+
+async def test_an_answer_does_not_pass_a_qp_waiting_its_turn() -> None:
+    # Another QP of b waits in its link's line (a long Write under way): the
+    # answer keeps its place behind it, taken when the pass reaches the line.
+    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
+    try:
+        pairs = qp_pairs(a, b, 2)
+        await establish(a, b)
+        for h in (a, b):
+            h.qp.caps["max_inline_data"] = 64
+        a.post_write(1, 0, 8, b, 64, inline=True)  # sets b's hint
+        assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
+        b.post_write(1, 0, 600_000, a, 100_000, qp=pairs[1][1])  # many passes' worth
+        b.dev.poll_once()
+        assert pairs[1][1] in b.qp.link.ready
+        events = await _a_write_b_answers_mid_pass(a, b, 20)
+        assert b.dev.stats["answered_early"] == 0 and events  # that pass did run
+        done = complete(b, a, 2, passes=20000)
+        assert sorted(done) == [(1, W.IBV_WC_SUCCESS), (20, W.IBV_WC_SUCCESS)]
+    finally:
+        a.close()
+        b.close()
