@@ -556,7 +556,9 @@ class Device:
         self.rx_stamps = False  # SO_TIMESTAMPNS arrival times (set by bind)
         self.native = wire_native.load() if config.native else None
         self._rx_run: Any = None
-        self._rx_run_write: Any = None  # what _rx_run is set for: (rx_hint, region, dest QPN) of a Write
+        #: what _rx_run's constant settings are for: (rx_hint, region, dest QPN) of
+        #: a Write, (rx_hint, dest QPN) of a Send; None: set them
+        self._rx_run_key: Any = None
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
             # the lane's buffer for whole requests and Atomic Responses: none
@@ -1041,8 +1043,8 @@ class Device:
                 pl.rx_hint = None
                 return 0
             view, start = mr.view, 0
-            key = (hint, mr, qp.dest_qpn)
-            if self._rx_run_write != key:
+            key: Any = (hint, mr, qp.dest_qpn)
+            if self._rx_run_key != key:
                 # What the lane reads of a Write's run, the same for every
                 # run into this region from this QP: set once, not per
                 # datagram (the lane changes none of it).
@@ -1050,9 +1052,27 @@ class Device:
                 r.base, r.length, r.sequential = 0 if mr.zero_based else mr.addr, mr.length, 0
                 r.ctrl_more, r.rctl, r.ctrl_last = _WRITE_CTRL
                 r.w0, r.w1, r.stag = segment._DDP_WORD | qp.qpn, qp.dest_qpn, stag
-                self._rx_run_write = key
+                self._rx_run_key = key
+        elif op in _SEND_CTRL:
+            # A receive under way, or the next posted one for a Send that
+            # starts here (taken from the ring only if the lane fills it).
+            recv = None if qp.rx_imm_pending or qp.rx_rnr else qp.rx_recv or qp.peek_receive()
+            gather = None if recv is None else recv[1]
+            if gather is None or len(gather.pieces) != 1:
+                pl.rx_hint = None
+                return 0
+            view, start, length = gather.pieces[0]
+            key = (hint, qp.dest_qpn)
+            if self._rx_run_key != key:
+                # all of a Send's run settings but the receive's, as for a Write
+                r.qn = r.whole = r.last_fills = r.many = r.base = 0
+                r.untagged = r.last_ends = r.sequential = 1
+                r.ctrl_more, r.rctl, r.ctrl_last = _SEND_CTRL[op]
+                r.w0, r.w1, r.stag = segment._DDP_WORD | qp.qpn, qp.dest_qpn, stag
+                self._rx_run_key = key
+            r.length, r.next_to, r.msn = length, 0 if recv is not qp.rx_recv else qp.rx_placed, qp.rx_msn
         else:
-            self._rx_run_write = None
+            self._rx_run_key = None
             r.untagged = r.qn = r.whole = r.last_fills = r.many = 0
             r.last_ends = 1
             request = _REQUEST_LANE.get(op)
@@ -1067,7 +1087,7 @@ class Device:
                 r.untagged = r.whole = r.last_fills = r.many = 1
                 r.msn = msn = (qp.rx_read_msn if op == _OP_READ_REQUEST else qp.rx_atomic_msn
                                if op == _OP_ATOMIC_REQUEST else qp.rx_atomic_resp_msn)
-            elif op == _OP_READ_RESPONSE:
+            else:
                 # Read Responses into the ORRQ head's sink, in order; the last
                 # one (which must fill the sink) ends the run.  Each Read has a
                 # sink STag of its own: the lane expects the head's, not the
@@ -1081,19 +1101,6 @@ class Device:
                 r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
                 r.last_fills = 1
                 r.ctrl_more, r.rctl, r.ctrl_last = _READ_RESPONSE_CTRL
-            else:
-                # A receive under way, or the next posted one for a Send that
-                # starts here (taken from the ring only if the lane fills it).
-                recv = None if qp.rx_imm_pending or qp.rx_rnr else qp.rx_recv or qp.peek_receive()
-                gather = None if recv is None else recv[1]
-                if gather is None or len(gather.pieces) != 1:
-                    pl.rx_hint = None
-                    return 0
-                view, start, length = gather.pieces[0]
-                r.base, r.length, r.sequential = 0, length, 1
-                r.next_to = 0 if recv is not qp.rx_recv else qp.rx_placed
-                r.untagged, r.msn = 1, qp.rx_msn
-                r.ctrl_more, r.rctl, r.ctrl_last = _SEND_CTRL[op]
             r.w0, r.w1, r.stag = segment._DDP_WORD | qp.qpn, qp.dest_qpn, stag
         link = pl.link
         expect = link.run_receivable()

@@ -125,9 +125,9 @@ class Host:
         ring.push()
         ring.publish()
 
-    def post_recv(self, wr_id: int, off: int, length: int) -> None:
-        """A receive of ``length`` bytes into our MR at ``off`` (QP 1)."""
-        rq = self.qp.recv_ring
+    def post_recv(self, wr_id: int, off: int, length: int, qp: QueuePair | None = None) -> None:
+        """A receive of ``length`` bytes into our MR at ``off`` (``qp``: another of our QPs than QP 1)."""
+        rq = (qp or self.qp).recv_ring
         rq.prod = rq.hdr.producer
         at = rq.next_slot_offset()
         shm.RECV_WQE_HEAD.pack_into(rq.buf, at, wr_id, 1)

@@ -461,40 +461,59 @@ async def test_writes_interleaved_over_many_qps_stay_in_the_lane() -> None:
         b.close()
 
 
-async def test_writes_between_sends_keep_the_lane() -> None:
-    # The lane's run settings for a Write are kept from one run to the next
-    # while the hint and the region stay the same; a Send's run in between
-    # changes them, and the next Write must set them again, or the lane
-    # turns every Write after the first away to the Python path.
+@pytest.mark.parametrize("kinds", ["WS", "S1S2", "WR"])
+async def test_runs_of_every_kind_in_turn_keep_the_lane(kinds: str) -> None:
+    # The lane's settings for a Write's run are kept while the hint and the
+    # region stay the same, and a Send's (but the receive's) while the hint
+    # does.  A run of another kind or QP in between must make the next one
+    # set them again, or the lane turns it away, or worse.  Each round brings
+    # b, in this order: a Write and a Send (WS), Sends on two QPs (S1S2), or
+    # a Write and the Response to b's Read (WR).
     a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
     try:
-        a.connect(b)
-        b.connect(a)
+        (qa1, qb1), (qa2, qb2) = qp_pairs(a, b, 2)
         await establish(a, b)
         rng = random.Random(11)
         a.mr.view[:] = rng.randbytes(MR_LEN)
         length, rounds = 4_000, 4  # three segments each
+        received = 0
         for i in range(rounds):
-            b.post_recv(100 + i, 500_000 + i * length, length)
-        for i in range(rounds):
-            a.post_write(2 * i, i * length, length, b, i * length)
-            a.post_write(2 * i + 1, 100_000 + i * length, length, b, 0, opcode=WrOpcode.IBV_WR_SEND)
-        done: list[tuple[int, int]] = []
-        for _ in range(20000):
-            a.dev.poll_once()
-            b.dev.poll_once()
-            done += a.completions()
-            if len(done) == 2 * rounds:
-                break
-        assert sorted(done) == [(k, 0) for k in range(2 * rounds)]
-        assert sorted(b.completions()) == [(100 + i, 0) for i in range(rounds)]
-        assert bytes(b.mr.view[:rounds * length]) == bytes(a.mr.view[:rounds * length])
-        sent = bytes(a.mr.view[100_000:100_000 + rounds * length])
-        assert bytes(b.mr.view[500_000:500_000 + rounds * length]) == sent
-        received = b.dev.dump_stats()["link_data_received"]
-        assert received == 2 * rounds * 3
+            at = i * length
+            if kinds == "WS":
+                b.post_recv(100 + i, 500_000 + at, length)
+                a.post_write(2 * i, at, length, b, at)
+                a.post_write(2 * i + 1, 100_000 + at, length, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+                theirs, ours = 2, [(100 + i, 0)]
+                moved = [(at, at), (100_000 + at, 500_000 + at)]
+            elif kinds == "S1S2":
+                b.post_recv(100 + i, 500_000 + at, length, qp=qb1)
+                b.post_recv(200 + i, 600_000 + at, length, qp=qb2)
+                a.post_write(2 * i, 100_000 + at, length, b, 0, opcode=WrOpcode.IBV_WR_SEND, qp=qa1)
+                a.post_write(2 * i + 1, 200_000 + at, length, b, 0, opcode=WrOpcode.IBV_WR_SEND, qp=qa2)
+                theirs, ours = 2, [(100 + i, 0), (200 + i, 0)]
+                moved = [(100_000 + at, 500_000 + at), (200_000 + at, 600_000 + at)]
+            else:
+                a.post_write(i, at, length, b, at)
+                b.post_write(1000 + i, 300_000 + at, length, a, 200_000 + at, opcode=WrOpcode.IBV_WR_RDMA_READ)
+                theirs, ours = 1, [(1000 + i, 0)]
+                moved = [(at, at), (200_000 + at, 300_000 + at)]
+            done: list[tuple[int, int]] = []
+            got: list[tuple[int, int]] = []
+            for _ in range(2000):
+                a.dev.poll_once()
+                b.dev.poll_once()
+                done += a.completions()
+                got += b.completions()
+                if len(done) == theirs and len(got) == len(ours):
+                    break
+            assert sorted(done) == [(theirs * i + j, 0) for j in range(theirs)]
+            assert sorted(got) == ours
+            for src, dst in moved:
+                assert bytes(b.mr.view[dst:dst + length]) == bytes(a.mr.view[src:src + length]), (i, src, dst)
+            received += 2 * 3
+        assert b.dev.dump_stats()["link_data_received"] == received
         # each message's first segment sets the hint; the lane takes the rest
-        assert b.dev.stats["rx_native_datagrams"] >= received - 2 * rounds
+        assert b.dev.stats["rx_native_datagrams"] >= received * 2 // 3
     finally:
         a.close()
         b.close()
