@@ -133,6 +133,8 @@ _SEND_SOLICITED = int(SendFlags.IBV_SEND_SOLICITED)
 _WR_READ = int(WrOpcode.IBV_WR_RDMA_READ)
 _WR_WRITE = int(WrOpcode.IBV_WR_RDMA_WRITE)
 _WC_SUCCESS = int(W.IBV_WC_SUCCESS)
+_WC_RECV = int(WcOpcode.IBV_WC_RECV)
+_OP_SEND_SE = int(Opcode.SEND_SE)
 _SEND_WQE_HEAD = shm.SEND_WQE_HEAD
 _SG_OFFSET = shm.SEND_WQE_SG_OFFSET
 _SGE = shm.SGE
@@ -915,7 +917,7 @@ class QueuePair:
                     break
                 sent += queued
                 taken += 1
-                if self.state != S.IBV_QPS_RTS:
+                if self.state != _RTS:
                     break
                 continue
             # RFC 5040 §5.1: an RDMA Write is tagged segments into the peer's STag.
@@ -1335,7 +1337,7 @@ class QueuePair:
         self.rx_recv = None
         self.rx_imm_pending = False
         self.rx_msn = (self.rx_msn + 1) & _U32
-        if status == W.IBV_WC_SUCCESS:
+        if status == _WC_SUCCESS:
             self.flow_ack_due = True  # Modified ACK: the sender may complete the WR
         self.recv_cq.push(wr_id, status, opcode, byte_len if status == 0 else 0, self.qpn, self.dest_qpn,
                           imm, flags, solicited=solicited)
@@ -1392,7 +1394,7 @@ class QueuePair:
     def send_placed(self, op: int) -> None:
         """The compiled lane placed the last segment of a plain Send (or
         Send with Solicited Event) ``op``: its receive completes."""
-        self._finish_receive(W.IBV_WC_SUCCESS, WcOpcode.IBV_WC_RECV, self.rx_placed, solicited=op == Opcode.SEND_SE)
+        self._finish_receive(_WC_SUCCESS, _WC_RECV, self.rx_placed, solicited=op == _OP_SEND_SE)
 
     def _on_immediate(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
         try:
