@@ -840,8 +840,8 @@ class Device:
                 for pl in touched:
                     for msg in pl.link.drain_received():
                         self._dispatch(pl, msg)
-        if self._delivered_to is not None:
-            self._answer_early()
+        if self._delivered_to is not None and self._answer_early(self._delivered_to):
+            self._delivered_to = None
         to_complete = self._to_complete
         for pl in list(links.values()):
             link = pl.link
@@ -859,8 +859,8 @@ class Device:
                 acked = link.acked
                 while waiters and waiters[0][0] < acked:
                     to_complete[waiters.popleft()[1]] = None
-        if self._delivered_to is not None:
-            self._answer_early()
+        if self._delivered_to is not None and self._answer_early(self._delivered_to):
+            self._delivered_to = None
         delivered = self._delivered
         if to_complete:
             self._to_complete = {}
@@ -883,7 +883,7 @@ class Device:
             if self.yield_on_delivery:
                 self.stats["delivery_yields"] += 1
                 os.sched_yield()
-        self._delivered_to = None
+        answerer, self._delivered_to = self._delivered_to, None
         to_pump = self._to_pump
         for qp in self._sq_watch.take_posted():
             if qp.link is not None:
@@ -932,6 +932,8 @@ class Device:
                     qp.prefetch_receive()
                 except Exception:  # an engine bug ends this QP, never the daemon
                     self._qp_failed(qp)
+        if answerer is not None:
+            self._answer_early(answerer)  # posted after the SQ watch looked: sent now, not a pass later
         if self.check_passes:
             self.check_pass()
         return progress
@@ -1349,29 +1351,28 @@ class Device:
             self._prefetch.append(qp)
         return bool(sent)
 
-    def _answer_early(self) -> None:
-        """Take the answer to what this pass delivered as soon as the
-        application has posted it, not when the pass reaches the SQ watch.
+    def _answer_early(self, qp: QueuePair) -> bool:
+        """Take the answer to what this pass delivered to ``qp`` as soon as
+        the application has posted it, not when the pass reaches the SQ
+        watch; False if nothing is posted yet (the caller looks again later).
 
         In a ping-pong the application sees the data (or the CQE) at once and
         posts its answer while this pass goes on with the ACK the message
         carried, the links' timers and the completions; the pass looks here
-        between those steps.  Only a watched QP (nothing of it pending) on a
-        link where no other QP waits its turn: anything else keeps its order.
+        between those steps, and at its end for an answer posted after the
+        SQ watch.  Only a watched QP (nothing of it pending) on a link where
+        no other QP waits its turn: anything else keeps its order.
         """
-        qp = self._delivered_to
-        assert qp is not None
         sq = qp.sq
         if sq.hdr.producer == sq.cons:
-            return  # not yet: the next step looks again
-        self._delivered_to = None
+            return False
         pl = qp.link
-        if pl is None or pl.ready or qp.state != _RTS or qp not in self._sq_watch:
-            return
-        self._sq_watch.discard(qp)
-        self.stats["answered_early"] += 1
-        self._pump(qp)
-        self._settle(qp)
+        if pl is not None and not pl.ready and qp.state == _RTS and qp in self._sq_watch:
+            self._sq_watch.discard(qp)
+            self.stats["answered_early"] += 1
+            self._pump(qp)
+            self._settle(qp)
+        return True
 
     def _settle(self, qp: QueuePair) -> None:
         """Put ``qp``, just visited, where it waits for its next visit (see

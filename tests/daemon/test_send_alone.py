@@ -138,24 +138,37 @@ async def test_a_long_turn_sends_what_it_has_every_32_work_requests(opcode: WrOp
         assert a.qp.link.link.stats.data_sent >= 64
 
 
-async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int) -> list[str]:
+async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool = False) -> list[str]:
     """a Writes to b; b's application posts its answering Write the moment
     b's pass has placed the data (while the pass goes on with the link's
-    accounting of it).  Returns what b's pass did, in order: "answer" (the
-    answer's datagram left) and "upkeep" (the links' timers were looked at)."""
+    accounting of it), or (``late``) only once the pass is past its SQ
+    watch, flushing its links.  Returns what that pass of b's did, in
+    order: "answer" (the answer's datagram left) and "upkeep" (the links'
+    timers were looked at)."""
     events: list[str] = []
+    placed: list[bool] = []
     posted: list[bool] = []
     link = b.qp.link.link
-    accounted, deadline = link.data_run_received, link.next_deadline
+    accounted, deadline, flush = link.data_run_received, link.next_deadline, b.dev.flush_link
+
+    def answer() -> None:
+        b.post_write(wr_id, 0, 8, a, 256, inline=True)  # the application reacts
+        posted.append(True)
 
     def data_run_received(*args: object) -> None:
-        b.post_write(wr_id, 0, 8, a, 256, inline=True)  # the application reacts at once
-        posted.append(True)
+        placed.append(True)
+        if not late:
+            answer()
         accounted(*args)
 
     def next_deadline() -> float | None:
         events.append("upkeep")
         return deadline()
+
+    def flush_link(pl: object) -> bool:
+        if late and placed and not posted:
+            answer()
+        return flush(pl)
 
     class Sock(Tap):
         def sendto(self, data: object, addr: object) -> int:
@@ -164,17 +177,19 @@ async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int) -> list[str]
 
     b.dev.sock = Sock(b.dev.sock)
     link.data_run_received, link.next_deadline = data_run_received, next_deadline  # type: ignore[method-assign]
+    b.dev.flush_link = flush_link  # type: ignore[method-assign]
     try:
         a.post_write(wr_id, 0, 8, b, 64, inline=True)
         a.dev.poll_once()
         for _ in range(200):
             events.clear()
             b.dev.poll_once()
-            if posted:
+            if placed:
                 break  # the pass that placed a's Write
     finally:
         b.dev.sock = b.dev.sock.sock
-        del link.data_run_received, link.next_deadline
+        del link.data_run_received, link.next_deadline, b.dev.flush_link
+    assert posted
     return events
 
 
@@ -182,7 +197,8 @@ async def test_an_answer_posted_while_the_pass_goes_on_leaves_before_the_upkeep(
     # write_lat's server: the application sees the data and posts its answer
     # while the daemon's pass is still accounting for the Write it placed.
     # The pass looks for it between its steps (``Device._answer_early``), so
-    # the answer leaves before the links' timers and completions are done.
+    # the answer leaves before the links' timers and completions are done;
+    # and once more at its end, for an answer posted after its SQ watch.
     async with connected() as (a, b):
         for h in (a, b):
             h.qp.caps["max_inline_data"] = 64
@@ -195,6 +211,11 @@ async def test_an_answer_posted_while_the_pass_goes_on_leaves_before_the_upkeep(
             assert events[:2] == ["answer", "upkeep"], i
             assert b.dev.stats["answered_early"] == early + 1
             assert complete(b, a, 1) == [(10 + i, W.IBV_WC_SUCCESS)]
+        # posted after the pass's SQ watch: it still leaves in that pass
+        early = b.dev.stats["answered_early"]
+        events = await _a_write_b_answers_mid_pass(a, b, 13, late=True)
+        assert "answer" in events and b.dev.stats["answered_early"] == early + 1
+        assert complete(b, a, 1) == [(13, W.IBV_WC_SUCCESS)]
         assert bytes(b.mr.view[64:72]) == b"pingpong" and bytes(a.mr.view[256:264]) == b"pongping"
         assert b.dev.dump_stats().get("link_retransmits", 0) == 0
 
