@@ -734,8 +734,20 @@ class QueuePair:
             self.outstanding.append(wr)
             self._write_queued(wr, num)  # type: ignore[arg-type]
             return 1
-        sq.pop()
         wr = OutWR(wr_id, _wc_opcode(opcode), bool(self.sq_sig_all or flags & _SEND_SIGNALED), 0)
+        if reads_remote and status == _WC_SUCCESS and gather is not None:
+            # A Read or atomic request leaves before the rest of the WR's
+            # bookkeeping too: the responder answers it at once.
+            if opcode == _WR_READ:
+                self._send_read_request(wr, gather, rkey, raddr)
+            else:
+                self._send_atomic_request(wr, gather, _ATOMIC_WR[opcode], rkey, raddr, compare_add, swap)
+            sq.pop()
+            wr.byte_len = gather.total
+            wr.rkey, wr.raddr = rkey, raddr
+            self.outstanding.append(wr)
+            return 0
+        sq.pop()
         if gather is not None:
             wr.byte_len = gather.total
         wr.rkey, wr.raddr = rkey, raddr
@@ -746,11 +758,7 @@ class QueuePair:
             self.fatal(f"local error on wr {wr.wr_id}: {W(wr.status).name}", EventType.IBV_EVENT_QP_REQ_ERR)
             return 0
         solicited = bool(flags & _SEND_SOLICITED)
-        if opcode == _WR_READ:
-            self._send_read_request(wr, gather, rkey, raddr)
-        elif opcode in _ATOMIC_WR:
-            self._send_atomic_request(wr, gather, _ATOMIC_WR[opcode], rkey, raddr, compare_add, swap)
-        elif opcode in _SEND_WR:
+        if opcode in _SEND_WR:
             # RFC 5040 §5.3: Send, with Invalidate (the STag rides in the header)
             # and/or Solicited Event; with Immediate it is followed by RFC 7306
             # Immediate Data that completes the same receive (envelope IMM_FOLLOWS).
@@ -792,10 +800,10 @@ class QueuePair:
         m.wr.q0_last = m.msn
         self.send_msn += 1
 
-    def _send_untagged(self, opcode: int, msn: int, body: bytes, request: bool = False) -> None:
+    def _send_untagged(self, opcode: int, msn: int, body: bytes, request: bool = False, taking: int = 0) -> None:
         """Queue a single-segment untagged message (Read Request, atomics,
         Immediate Data, Terminate); ``request``: a Read or atomic request
-        (``PeerLink.send_request``)."""
+        (``PeerLink.send_request``); ``taking``: as ``_send_or_queue``'s."""
         assert self.link is not None
         buf = bytearray(_UNTAGGED_PREFIX + len(body))
         segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, opcode, True, msn & _U32, 0)
@@ -805,7 +813,7 @@ class QueuePair:
             # datagrams, after the ACK of everything the pass received.
             self.link.send(buf)
         else:
-            self._send_or_queue(buf, request=request)
+            self._send_or_queue(buf, request=request, taking=taking)
 
     def _send_or_queue(self, buf: bytearray, ack_now: bool = True, request: bool = False,
                        taking: int = 0) -> int | None:
@@ -835,7 +843,7 @@ class QueuePair:
         body = rdmap.encode_read_request(rdmap.ReadRequest(sink, 0, gather.total, rkey, raddr))
         # The peer's daemon answers it itself, after taking the ACK it
         # carries: not an answer to hold our ACK for (transport/link.py).
-        self._send_untagged(Opcode.RDMA_READ_REQUEST, self.read_msn, body, request=True)
+        self._send_untagged(Opcode.RDMA_READ_REQUEST, self.read_msn, body, request=True, taking=1)
         self.read_msn += 1  # a Read completes when placed, not when its request is acked
         self.orrq.append(_PendingRead(wr, gather))
 
@@ -849,7 +857,7 @@ class QueuePair:
             req = rdmap.AtomicRequest(aop, self.next_req_id, rkey, raddr, swap, _U64, compare_add, _U64)
         wr.atomic_msn = self.atomic_msn
         self._send_untagged(Opcode.ATOMIC_REQUEST, self.atomic_msn, rdmap.encode_atomic_request(req),
-                            request=True)  # as a Read Request
+                            request=True, taking=1)  # as a Read Request
         self.atomic_msn += 1
         self.orrq.append(_PendingAtomic(wr, gather, self.next_req_id))
         self.next_req_id = (self.next_req_id + 1) & _U32
