@@ -692,6 +692,7 @@ class QueuePair:
             return -1  # ORD reached: wait for a response (RFC 5040 §6.5; atomics share it, RFC 7306 §6)
         if flags & _SEND_FENCE and self.orrq:
             return -1  # fence: earlier Reads and atomics must finish first
+        signaled = bool(self.sq_sig_all or flags & _SEND_SIGNALED)
         status = _WC_SUCCESS
         gather = None
         msg = None  # a one-segment RDMA Write's segment, built here (see below)
@@ -729,12 +730,12 @@ class QueuePair:
             # before the WR's bookkeeping, which the peer does not wait for.
             num = self._send_or_queue(msg, taking=1)
             sq.pop()
-            wr = OutWR(wr_id, _wc_opcode(opcode), bool(self.sq_sig_all or flags & _SEND_SIGNALED), len(msg) - _TAGGED_PREFIX)
+            wr = OutWR(wr_id, _wc_opcode(opcode), signaled, len(msg) - _TAGGED_PREFIX)
             wr.rkey, wr.raddr = rkey, raddr
             self.outstanding.append(wr)
             self._write_queued(wr, num)  # type: ignore[arg-type]
             return 1
-        wr = OutWR(wr_id, _wc_opcode(opcode), bool(self.sq_sig_all or flags & _SEND_SIGNALED), 0)
+        wr = OutWR(wr_id, _wc_opcode(opcode), signaled, 0)
         if reads_remote and status == _WC_SUCCESS and gather is not None:
             # A Read or atomic request leaves before the rest of the WR's
             # bookkeeping too: the responder answers it at once.
