@@ -729,30 +729,21 @@ class QueuePair:
             # an inline write_lat hop in one process, 1 µs with an SGE), and
             # before the WR's bookkeeping, which the peer does not wait for.
             num = self._send_or_queue(msg, taking=1)
-            sq.pop()
             wr = OutWR(wr_id, _wc_opcode(opcode), signaled, len(msg) - _TAGGED_PREFIX)
-            wr.rkey, wr.raddr = rkey, raddr
-            self.outstanding.append(wr)
+            self._taken(wr, rkey, raddr)
             self._write_queued(wr, num)  # type: ignore[arg-type]
             return 1
-        wr = OutWR(wr_id, _wc_opcode(opcode), signaled, 0)
+        wr = OutWR(wr_id, _wc_opcode(opcode), signaled, 0 if gather is None else gather.total)
         if reads_remote and status == _WC_SUCCESS and gather is not None:
-            # A Read or atomic request leaves before the rest of the WR's
-            # bookkeeping too: the responder answers it at once.
+            # A Read or atomic request leaves before the WR's bookkeeping
+            # too: the responder answers it at once.
             if opcode == _WR_READ:
                 self._send_read_request(wr, gather, rkey, raddr)
             else:
                 self._send_atomic_request(wr, gather, _ATOMIC_WR[opcode], rkey, raddr, compare_add, swap)
-            sq.pop()
-            wr.byte_len = gather.total
-            wr.rkey, wr.raddr = rkey, raddr
-            self.outstanding.append(wr)
+            self._taken(wr, rkey, raddr)
             return 0
-        sq.pop()
-        if gather is not None:
-            wr.byte_len = gather.total
-        wr.rkey, wr.raddr = rkey, raddr
-        self.outstanding.append(wr)
+        self._taken(wr, rkey, raddr)
         if status != _WC_SUCCESS or gather is None:
             wr.status = status if status != _WC_SUCCESS else W.IBV_WC_GENERAL_ERR
             wr.done = True
@@ -773,6 +764,12 @@ class QueuePair:
         else:
             self.sending = _Sending(wr, gather, opcode == WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, imm, solicited)
         return 0
+
+    def _taken(self, wr: OutWR, rkey: int, raddr: int) -> None:
+        """The WQE ``wr`` was made from leaves the SQ; the WR waits for its completion."""
+        self.sq.pop()
+        wr.rkey, wr.raddr = rkey, raddr
+        self.outstanding.append(wr)
 
     def _tagged_packer(self) -> Any:
         """The header packer of this QP's RDMA Write segments (``segment.tagged_packer``)."""

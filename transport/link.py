@@ -909,18 +909,25 @@ class Link:
         stats = self.stats
         stats.data_sent += 1
         stats.datagrams_sent += 1
+        poor = not ack_carrier or self._poor_carrier
+        self._poor_carrier = False  # nothing else is queued: it has left
+        self._data_left(now, poor)
+        return n
+
+    def _data_left(self, now: float, poor_carrier: bool) -> None:
+        """DATA left, carrying our ACK: nothing is owed any more, a held ACK
+        was carried (or, ``poor_carrier``, such answers are no use for
+        holding), and the retransmission timer runs."""
         self._ack_count = 0
         self._ack_now = False
         self._ack_deadline = None
         hold = self._hold
-        if not ack_carrier or self._poor_carrier:
-            self._poor_carrier = False
+        if poor_carrier:
             hold.stop()
         else:
-            hold.answered(now, hold.until is not None)
+            hold.answered(now, hold.until is not None)  # a held ACK: carried, as hoped
         if self._rto_deadline is None:
             self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff
-        return n
 
     def send_space(self) -> int:
         """How many more messages the link wants queued now."""
@@ -1064,18 +1071,10 @@ class Link:
             self._cwnd_limited = rec.bytes_in_flight * 2 >= self.cc.cwnd_bytes
         if sent:
             stats.data_sent += sent
-            self._ack_count = 0
-            self._ack_now = False
-            self._ack_deadline = None
-            if self._poor_carrier:
-                # Such a message left (or is leaving): not an answer worth holding for.
-                if self._snd_nxt >= self._next_n:
-                    self._poor_carrier = False
-                self._hold.stop()
-            else:
-                self._hold.answered(now, self._hold.until is not None)  # a held ACK: carried, as hoped
-            if self._rto_deadline is None:
-                self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff
+            poor = self._poor_carrier
+            if poor and self._snd_nxt >= self._next_n:
+                self._poor_carrier = False  # such a message left: not an answer worth holding for
+            self._data_left(now, poor)
         elif self._ack_now or (self._ack_deadline is not None and now >= self._ack_deadline):
             out.append(self._control(_ACK, 0, now))
             stats.acks_sent += 1
