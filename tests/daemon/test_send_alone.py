@@ -138,8 +138,9 @@ async def test_a_long_turn_sends_what_it_has_every_32_work_requests(opcode: WrOp
         assert a.qp.link.link.stats.data_sent >= 64
 
 
-async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool = False) -> list[str]:
-    """a Writes to b; b's application posts its answering Write the moment
+async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool = False,
+                                      opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE) -> list[str]:
+    """a Writes (or Sends, ``opcode``) to b; b's application posts its answering Write the moment
     b's pass has placed the data (while the pass goes on with the link's
     accounting of it), or (``late``) only once the pass is past its SQ
     watch, flushing its links.  Returns what that pass of b's did, in
@@ -179,7 +180,7 @@ async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool =
     link.data_run_received, link.next_deadline = data_run_received, next_deadline  # type: ignore[method-assign]
     b.dev.flush_link = flush_link  # type: ignore[method-assign]
     try:
-        a.post_write(wr_id, 0, 8, b, 64, inline=True)
+        a.post_write(wr_id, 0, 8, b, 64, inline=True, opcode=opcode)
         a.dev.poll_once()
         for _ in range(200):
             events.clear()
@@ -218,6 +219,27 @@ async def test_an_answer_posted_while_the_pass_goes_on_leaves_before_the_upkeep(
         assert complete(b, a, 1) == [(13, W.IBV_WC_SUCCESS)]
         assert bytes(b.mr.view[64:72]) == b"pingpong" and bytes(a.mr.view[256:264]) == b"pongping"
         assert b.dev.dump_stats().get("link_retransmits", 0) == 0
+
+
+async def test_an_answer_to_a_send_waits_for_the_pump() -> None:
+    # A Send leaves its QP owing a Modified ACK: the QP is not idle, so its
+    # answer is not taken early but when the pass pumps its QPs, and it
+    # still leaves in that pass.
+    async with connected() as (a, b):
+        for h in (a, b):
+            h.qp.caps["max_inline_data"] = 64
+        a.mr.view[0:8], b.mr.view[0:8] = b"pingpong", b"pongping"
+        for i in range(3):
+            b.post_recv(50 + i, 8192 + 64 * i, 64)
+        a.post_write(1, 0, 8, b, 0, inline=True, opcode=WrOpcode.IBV_WR_SEND)  # sets b's hint
+        assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
+        assert b.completions() == [(50, W.IBV_WC_SUCCESS)]
+        for i in range(2):
+            events = await _a_write_b_answers_mid_pass(a, b, 10 + i, opcode=WrOpcode.IBV_WR_SEND)
+            assert "answer" in events and b.dev.stats["answered_early"] == 0
+            # b's CQ: the Send's receive, then its answer's completion
+            assert complete(b, a, 2) == [(51 + i, W.IBV_WC_SUCCESS), (10 + i, W.IBV_WC_SUCCESS)]
+        assert bytes(a.mr.view[256:264]) == b"pongping" and bytes(b.mr.view[8256:8264]) == b"pingpong"
 
 
 async def test_an_answer_does_not_pass_a_qp_waiting_its_turn() -> None:
