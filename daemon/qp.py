@@ -132,6 +132,9 @@ _SEND_INLINE = int(SendFlags.IBV_SEND_INLINE)
 _SEND_SOLICITED = int(SendFlags.IBV_SEND_SOLICITED)
 _WR_READ = int(WrOpcode.IBV_WR_RDMA_READ)
 _WR_WRITE = int(WrOpcode.IBV_WR_RDMA_WRITE)
+_WR_SEND_WITH_INV = int(WrOpcode.IBV_WR_SEND_WITH_INV)
+#: Sends that are one queue-0 message (with Immediate Data, two)
+_ONE_MESSAGE_SEND = (int(WrOpcode.IBV_WR_SEND), _WR_SEND_WITH_INV)
 _WC_SUCCESS = int(W.IBV_WC_SUCCESS)
 _WC_RECV = int(WcOpcode.IBV_WC_RECV)
 _OP_SEND_SE = int(Opcode.SEND_SE)
@@ -706,6 +709,10 @@ class QueuePair:
                 # straight from the WQE, before its slot goes back to the application
                 msg = self._write_segment(n, rkey, raddr)
                 msg[_TAGGED_PREFIX:] = buf[at + _SG_OFFSET:at + _SG_OFFSET + n]
+            elif opcode in _ONE_MESSAGE_SEND and n <= self.link.max_data - _UNTAGGED_EXTRA \
+                    and self.q0_cursor == len(self.q0):  # type: ignore[union-attr]
+                msg = self._send_segment(opcode, flags, imm, n)
+                msg[_UNTAGGED_PREFIX:_UNTAGGED_PREFIX + n] = buf[at + _SG_OFFSET:at + _SG_OFFSET + n]
             else:
                 data = bytes(buf[at + _SG_OFFSET:at + _SG_OFFSET + n])
                 gather = _Gather([(memoryview(data), 0, n)] if n else [])
@@ -719,19 +726,39 @@ class QueuePair:
                 status = W.IBV_WC_LOC_LEN_ERR  # longer than the port's max_msg_sz
             elif opcode in _ATOMIC_WR and gather.total != 8:
                 status = W.IBV_WC_LOC_LEN_ERR  # the original value is one 64-bit word
-        if (gather is not None and opcode == _WR_WRITE and status == _WC_SUCCESS
-                and gather.total <= self.link.max_data):  # type: ignore[union-attr]
-            msg = self._write_segment(gather.total, rkey, raddr)
-            gather.copy_out(msg, _TAGGED_PREFIX, gather.total)
+        if gather is not None and status == _WC_SUCCESS:
+            if opcode == _WR_WRITE and gather.total <= self.link.max_data:  # type: ignore[union-attr]
+                msg = self._write_segment(gather.total, rkey, raddr)
+                gather.copy_out(msg, _TAGGED_PREFIX, gather.total)
+            elif (opcode in _ONE_MESSAGE_SEND and self.q0_cursor == len(self.q0)
+                    and gather.total <= self.link.max_data - _UNTAGGED_EXTRA):  # type: ignore[union-attr]
+                msg = self._send_segment(opcode, flags, imm, gather.total)
+                gather.copy_out(msg, _UNTAGGED_PREFIX, gather.total)
         if msg is not None:
-            # A one-segment RDMA Write: queued (or sent) now, with no gather
-            # list or Write under way for the pump to come back to (3 µs of
-            # an inline write_lat hop in one process, 1 µs with an SGE), and
-            # before the WR's bookkeeping, which the peer does not wait for.
-            num = self._send_or_queue(msg, taking=1)
-            wr = OutWR(wr_id, _wc_opcode(opcode), signaled, len(msg) - _TAGGED_PREFIX)
+            # A one-segment RDMA Write or Send: queued (or sent) now, with no
+            # gather list or message under way for the pump to come back to
+            # (a Write: 3 µs of an inline write_lat hop in one process, 1 µs
+            # with an SGE), and before the WR's bookkeeping, which the peer
+            # does not wait for.
+            if opcode == _WR_WRITE:
+                num = self._send_or_queue(msg, taking=1)
+                wr = OutWR(wr_id, _wc_opcode(opcode), signaled, len(msg) - _TAGGED_PREFIX)
+                self._taken(wr, rkey, raddr)
+                self._write_queued(wr, num)  # type: ignore[arg-type]
+                return 1
+            # A Send completes on the peer's Modified ACK, which carries the
+            # link's ACK too: the link need not ask for one at once.
+            self._send_or_queue(msg, ack_now=False, taking=1)
+            n = gather.total if gather is not None else inline_len
+            wr = OutWR(wr_id, _WC_SEND, signaled, n)
             self._taken(wr, rkey, raddr)
-            self._write_queued(wr, num)  # type: ignore[arg-type]
+            # kept until the Modified ACK: an RNR NACK has it sent again
+            inv = opcode == _WR_SEND_WITH_INV
+            m = _Q0Msg(self.send_msn, wr, gather or _Gather([(memoryview(msg), _UNTAGGED_PREFIX, n)]),
+                       _SEND_OPCODE[inv, bool(flags & _SEND_SOLICITED)], imm if inv else 0)
+            m.sent = n
+            self._queue_q0(m)
+            self.q0_cursor += 1
             return 1
         wr = OutWR(wr_id, _wc_opcode(opcode), signaled, 0 if gather is None else gather.total)
         if reads_remote and status == _WC_SUCCESS and gather is not None:
@@ -784,6 +811,35 @@ class QueuePair:
         msg = bytearray(_TAGGED_PREFIX + n)
         self._tagged_packer()(msg, True, rkey, raddr)
         return msg
+
+    def _send_segment(self, opcode: int, flags: int, imm: int, n: int) -> bytearray:
+        """The only segment of a Send (``opcode``: IBV_WR_SEND or
+        IBV_WR_SEND_WITH_INV, the STag to invalidate in ``imm``) of ``n``
+        bytes, MSN ``send_msn``, its header packed; the caller copies the
+        payload in."""
+        inv = opcode == _WR_SEND_WITH_INV
+        return self._q0_segment(_SEND_OPCODE[inv, bool(flags & _SEND_SOLICITED)], True, self.send_msn, 0,
+                                imm if inv else 0, 0, n, self.link.max_data - _UNTAGGED_EXTRA)  # type: ignore[union-attr]
+
+    def _q0_segment(self, opcode: int, last: bool, msn: int, mo: int, inv_stag: int, flags: int, n: int,
+                    max_data: int) -> bytearray:
+        """A queue-0 segment with room for ``n`` payload bytes at
+        ``_UNTAGGED_PREFIX``, its header packed (RFC 5041 §5.3: MSN numbers
+        the message, MO is this segment's offset in it; ``flags``, the
+        envelope's, on a message's last segment only).  The Modified ACK we
+        owe the peer's Sends rides on the end of a message's last segment
+        when it fits in ``max_data``."""
+        carry = last and self.flow_ack_due and n + _FLOW_ACK_LEN <= max_data
+        buf = bytearray(_UNTAGGED_PREFIX + n + (_FLOW_ACK_LEN if carry else 0))
+        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, opcode, last, msn & _U32, mo, inv_stag,
+                                   (flags | _FLOW_ACK if carry else flags) if last else 0)
+        if last:
+            if carry:
+                envelope.pack_flow_ack_into(buf, _UNTAGGED_PREFIX + n, self.rx_msn)
+                self.flow_ack_due = False
+                self.device.stats["flow_ack_carried"] += 1
+            self.flow_hold.answered(self.device.now, carry)
+        return buf
 
     def _write_queued(self, wr: OutWR, num: int) -> None:
         """The last segment of the RDMA Write ``wr`` (no Immediate Data) is
@@ -1000,22 +1056,12 @@ class QueuePair:
                 return k
         n = min(max_data, remaining)
         last = m.sent + n == total
-        # The ACK we owe the peer's Sends rides on the end of ours when it fits.
-        carry = last and self.flow_ack_due and n + _FLOW_ACK_LEN <= max_data
-        buf = bytearray(_UNTAGGED_PREFIX + n + (_FLOW_ACK_LEN if carry else 0))
-        # RFC 5041 §5.3: MSN numbers the message, MO is this segment's offset in it.
-        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, m.opcode, last, m.msn & _U32, m.sent,
-                                   m.inv_stag, (m.flags | _FLOW_ACK if carry else m.flags) if last else 0)
+        buf = self._q0_segment(m.opcode, last, m.msn, m.sent, m.inv_stag, m.flags, n, max_data)
         if n:
             m.gather.copy_out(buf, _UNTAGGED_PREFIX, n)
         m.sent += n
         if last:
             self.q0_cursor += 1
-            if carry:
-                envelope.pack_flow_ack_into(buf, _UNTAGGED_PREFIX + n, self.rx_msn)
-                self.flow_ack_due = False
-                self.device.stats["flow_ack_carried"] += 1
-            self.flow_hold.answered(self.device.now, carry)
         # A Send completes on the peer's Modified ACK, not on the link's ACK:
         # the link need not ask for one at once (the Modified ACK carries it).
         if last and m.sent == n:

@@ -9,6 +9,7 @@ from udpverbs import verbs
 from udpverbs.verbs.enums import (
     IBV_QPS_ERR,
     IBV_QPS_RTS,
+    IBV_SEND_INLINE,
     IBV_SEND_SIGNALED,
     IBV_SEND_SOLICITED,
     IBV_WC_LOC_LEN_ERR,
@@ -60,8 +61,8 @@ def test_sends_fill_receives_in_order(pair) -> None:
         assert b.mr.read(half, off) + b.mr.read(len(blob) - half, off + half + 7) == blob
 
 
-def _rnr_pair(daemons, rnr_retry: int, min_rnr_timer: int) -> tuple[Side, Side]:
-    a, b = Side(daemons[0]), Side(daemons[1])
+def _rnr_pair(daemons, rnr_retry: int, min_rnr_timer: int, cap: verbs.QPCap | None = None) -> tuple[Side, Side]:
+    a, b = Side(daemons[0], cap=cap), Side(daemons[1], cap=cap)
     for me, qp, peer, pqp in ((a, a.qp, b, b.qp), (b, b.qp, a, a.qp)):
         attr = verbs.QPAttr(qp_access_flags=ACCESS_ALL, dest_qp_num=pqp.qp_num, rnr_retry=rnr_retry,
                             min_rnr_timer=min_rnr_timer)
@@ -123,6 +124,18 @@ def test_send_before_the_receive_completes_once_it_is_posted(daemons) -> None:
         b.close()
 
 
+def _receive_one_at_a_time(b: Side, blobs: list[bytes], stride: int) -> None:
+    """Post B's receives one by one (``stride`` bytes apart), each after the
+    last completed: the Sends land in order, byte-exact."""
+    got = []
+    for i in range(len(blobs)):
+        b.qp.post_recv(verbs.RecvWR(wr_id=i, sg=[verbs.SGE(b.mr.buf + i * stride, stride, b.mr.lkey)]))
+        (rwc,) = b.cq.poll_blocking(1, timeout=10)
+        got.append((rwc.wr_id, rwc.status, rwc.byte_len))
+    assert got == [(i, IBV_WC_SUCCESS, len(x)) for i, x in enumerate(blobs)]
+    assert [b.mr.read(len(x), i * stride) for i, x in enumerate(blobs)] == blobs
+
+
 def test_rnr_loses_and_reorders_nothing(daemons) -> None:
     # Ten Sends, receives trickling in one at a time: every Send is NACKed at
     # least once, re-sent, and still lands in order, byte-exact.
@@ -135,16 +148,33 @@ def test_rnr_loses_and_reorders_nothing(daemons) -> None:
             a.mr.write(blob, len(blob), off)
             _send(a.qp, a.mr, off, len(blob), i)
             off += len(blob) + 1
-        got = []
-        for i in range(len(blobs)):
-            b.qp.post_recv(verbs.RecvWR(wr_id=i, sg=[verbs.SGE(b.mr.buf + i * 32768, 32768, b.mr.lkey)]))
-            (rwc,) = b.cq.poll_blocking(1, timeout=10)
-            got.append((rwc.wr_id, rwc.status, rwc.byte_len))
-        assert got == [(i, IBV_WC_SUCCESS, len(x)) for i, x in enumerate(blobs)]
-        for i, blob in enumerate(blobs):
-            assert b.mr.read(len(blob), i * 32768) == blob
+        _receive_one_at_a_time(b, blobs, 32768)
         swcs = a.cq.poll_blocking(len(blobs), timeout=10)
         assert [(w.wr_id, w.status) for w in swcs] == [(i, IBV_WC_SUCCESS) for i in range(len(blobs))]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_inline_sends_resent_after_rnr_are_what_was_posted(daemons) -> None:
+    # A one-segment Send leaves from its WQE, and the daemon keeps its segment
+    # to send again: each of these is NACKed (no receive yet) and re-sent
+    # from that copy, the application having reused its buffer meanwhile.
+    a, b = _rnr_pair(daemons, rnr_retry=7, min_rnr_timer=1, cap=verbs.QPCap(16, 16, 4, 4, max_inline_data=128))
+    try:
+        rng = random.Random(7)
+        blobs = [rng.randbytes(n) for n in (2, 0, 128, 37)]
+        for i, blob in enumerate(blobs):
+            a.mr.write(blob, len(blob), 0)
+            flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE | (IBV_SEND_SOLICITED if i == 2 else 0)
+            a.qp.post_send(verbs.SendWR(wr_id=i, opcode=IBV_WR_SEND, sg=[verbs.SGE(a.mr.buf, len(blob), a.mr.lkey)],
+                                        send_flags=flags))
+            a.mr.write(bytes(128), 128, 0)
+        assert _wait_stat(b.ctx, "rnr_nack_sent", 1) >= 1
+        _receive_one_at_a_time(b, blobs, 256)
+        swcs = a.cq.poll_blocking(len(blobs), timeout=10)
+        assert [(w.wr_id, w.status, w.opcode) for w in swcs] == [(i, IBV_WC_SUCCESS, IBV_WC_SEND)
+                                                                  for i in range(len(blobs))]
     finally:
         a.close()
         b.close()
