@@ -750,6 +750,31 @@ async def test_a_send_completes_before_the_link_accounts_for_its_run() -> None:
         assert seen[-2:] == [2, 3]  # each lane Send's CQE was there already
 
 
+@pytest.mark.parametrize("native", [True, False])
+async def test_a_receive_is_off_its_ring_before_its_cqe_is_seen(native: bool) -> None:
+    # verbs: once the application has polled a receive's CQE, its slot is
+    # free.  An application that keeps its RQ full re-posts at once, so the
+    # ring's consumer index must move before the CQE is written, by the
+    # lane's path as by the Python path.
+    async with connected(Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True, native=native)) as (a, b):
+        rq = b.qp.recv_ring
+        for i in range(Host.QP_CAPS["max_recv_wr"]):
+            b.post_recv(i, 256 * i, 64)
+        freed_at_cqe = []
+        push = b.cq.push
+
+        def pushed(*args: Any, **kw: Any) -> bool:
+            freed_at_cqe.append(rq.hdr.consumer)
+            return push(*args, **kw)
+
+        b.cq.push = pushed  # type: ignore[method-assign]
+        for i in range(4):
+            a.post_write(10 + i, 0, 8, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+            assert complete(a, b, 1, 50) == [(10 + i, 0)]
+        assert freed_at_cqe == [1, 2, 3, 4]
+        assert b.dev.stats["rx_native_sends"] == (3 if native else 0)
+
+
 @pytest.mark.parametrize("opcode", [WrOpcode.IBV_WR_RDMA_READ, WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD])
 async def test_a_read_or_atomic_completes_before_the_link_accounts_for_its_run(opcode: WrOpcode) -> None:
     # As for a Send's receive: the requester's application waits on the
