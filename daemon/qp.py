@@ -146,6 +146,8 @@ _RECV_WQE_HEAD = shm.RECV_WQE_HEAD
 _RECV_SG_OFFSET = shm.RECV_WQE_SG_OFFSET
 _CQE = shm.CQE
 _OP_READ_RESPONSE = int(Opcode.RDMA_READ_RESPONSE)
+_OP_READ_REQUEST = int(Opcode.RDMA_READ_REQUEST)
+_OP_ATOMIC_REQUEST = int(Opcode.ATOMIC_REQUEST)
 
 # tables check codes -> (Terminate error code, requester WC status)
 _TERM_CODE = {
@@ -859,8 +861,7 @@ class QueuePair:
         Immediate Data, Terminate); ``request``: a Read or atomic request
         (``PeerLink.send_request``); ``taking``: as ``_send_or_queue``'s."""
         assert self.link is not None
-        buf = bytearray(_UNTAGGED_PREFIX + len(body))
-        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, opcode, True, msn & _U32, 0)
+        buf = self._untagged_segment(opcode, msn, len(body))
         buf[_UNTAGGED_PREFIX:] = body
         if opcode == Opcode.TERMINATE:
             # Found while receiving: it leaves with the pass's other
@@ -868,6 +869,13 @@ class QueuePair:
             self.link.send(buf)
         else:
             self._send_or_queue(buf, request=request, taking=taking)
+
+    def _untagged_segment(self, opcode: int, msn: int, n: int) -> bytearray:
+        """A single-segment untagged message with room for an ``n``-byte
+        body at ``_UNTAGGED_PREFIX``, its header packed."""
+        buf = bytearray(_UNTAGGED_PREFIX + n)
+        segment.pack_untagged_into(buf, 0, self.dest_qpn, self.qpn, opcode, True, msn & _U32, 0)
+        return buf
 
     def _send_or_queue(self, buf: bytearray, ack_now: bool = True, request: bool = False,
                        taking: int = 0) -> int | None:
@@ -894,10 +902,12 @@ class QueuePair:
         sink = self.next_sink
         self.next_sink = (sink + 1) & _U32 or 1
         wr.sink_stag = sink
-        body = rdmap.encode_read_request(rdmap.ReadRequest(sink, 0, gather.total, rkey, raddr))
+        # header and body packed into one buffer: no ReadRequest tuple, no copy
+        buf = self._untagged_segment(_OP_READ_REQUEST, self.read_msn, rdmap.READ_REQUEST_LEN)
+        rdmap.pack_read_request_into(buf, _UNTAGGED_PREFIX, sink, 0, gather.total, rkey, raddr)
         # The peer's daemon answers it itself, after taking the ACK it
         # carries: not an answer to hold our ACK for (transport/link.py).
-        self._send_untagged(Opcode.RDMA_READ_REQUEST, self.read_msn, body, request=True, taking=1)
+        self._send_or_queue(buf, request=True, taking=1)
         self.read_msn += 1  # a Read completes when placed, not when its request is acked
         self.orrq.append(_PendingRead(wr, gather))
 
@@ -905,13 +915,15 @@ class QueuePair:
                              compare_add: int, swap: int) -> None:
         # RFC 7306 §5.2: verbs' plain FetchAdd is a masked add with no field
         # boundaries (mask 0); CmpSwap compares and swaps all 64 bits.
+        buf = self._untagged_segment(_OP_ATOMIC_REQUEST, self.atomic_msn, rdmap.ATOMIC_REQUEST_LEN)
         if aop == AtomicOp.FETCH_ADD:
-            req = rdmap.AtomicRequest(aop, self.next_req_id, rkey, raddr, compare_add, 0, 0, 0)
+            rdmap.pack_atomic_request_into(buf, _UNTAGGED_PREFIX, aop, self.next_req_id, rkey, raddr, compare_add,
+                                           0, 0, 0)
         else:
-            req = rdmap.AtomicRequest(aop, self.next_req_id, rkey, raddr, swap, _U64, compare_add, _U64)
+            rdmap.pack_atomic_request_into(buf, _UNTAGGED_PREFIX, aop, self.next_req_id, rkey, raddr, swap, _U64,
+                                           compare_add, _U64)
         wr.atomic_msn = self.atomic_msn
-        self._send_untagged(Opcode.ATOMIC_REQUEST, self.atomic_msn, rdmap.encode_atomic_request(req),
-                            request=True, taking=1)  # as a Read Request
+        self._send_or_queue(buf, request=True, taking=1)  # as a Read Request
         self.atomic_msn += 1
         self.orrq.append(_PendingAtomic(wr, gather, self.next_req_id))
         self.next_req_id = (self.next_req_id + 1) & _U32

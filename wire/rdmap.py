@@ -660,6 +660,23 @@ def encode_read_request(r: ReadRequest) -> bytes:
     return _packed(_READ_REQUEST, *r)
 
 
+def pack_read_request_into(buf: bytearray | memoryview, offset: int, sink_stag: int, sink_to: int, size: int,
+                           src_stag: int, src_to: int) -> int:
+    """Write the Read Request header of ``encode_read_request`` at
+    ``buf[offset:]``, with the fields as arguments; return its length.
+    For the daemon's send path, which builds the whole segment in one
+    buffer (no ``ReadRequest`` tuple, no intermediate bytes).
+
+    Raises:
+        ValueError: a field is out of range.
+    """
+    try:
+        _READ_REQUEST.pack_into(buf, offset, sink_stag, sink_to, size, src_stag, src_to)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return READ_REQUEST_LEN
+
+
 def decode_read_request_untrusted(body: bytes | bytearray | memoryview) -> ReadRequest:
     """Parse a Read Request header.  Raises WireError (``bad_length``) only."""
     _exact(body, READ_REQUEST_LEN, "read request")
@@ -675,6 +692,25 @@ def encode_atomic_request(a: AtomicRequest) -> bytes:
     if a.aop not in _ATOMIC_OPS:
         raise ValueError(f"unknown atomic operation {a.aop}")
     return _packed(_ATOMIC_REQUEST, *a)
+
+
+def pack_atomic_request_into(buf: bytearray | memoryview, offset: int, aop: int, req_id: int, stag: int, to: int,
+                             add_swap_data: int, add_swap_mask: int, compare_data: int, compare_mask: int) -> int:
+    """Write the Atomic Request header of ``encode_atomic_request`` at
+    ``buf[offset:]``, with the fields as arguments; return its length (as
+    ``pack_read_request_into``).
+
+    Raises:
+        ValueError: unknown atomic operation or a field out of range.
+    """
+    if aop not in _ATOMIC_OPS:
+        raise ValueError(f"unknown atomic operation {aop}")
+    try:
+        _ATOMIC_REQUEST.pack_into(buf, offset, aop, req_id, stag, to, add_swap_data, add_swap_mask, compare_data,
+                                  compare_mask)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return ATOMIC_REQUEST_LEN
 
 
 def decode_atomic_request_untrusted(body: bytes | bytearray | memoryview) -> AtomicRequest:

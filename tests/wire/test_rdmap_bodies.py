@@ -147,6 +147,32 @@ ROUND_TRIPS = [
 RT_IDS = ["read_request", "atomic_request", "atomic_response", "immediate", "terminate"]
 
 
+@pytest.mark.parametrize(("values", "enc", "pack_into"), [
+    (read_requests, rdmap.encode_read_request, rdmap.pack_read_request_into),
+    (atomic_requests, rdmap.encode_atomic_request, rdmap.pack_atomic_request_into),
+], ids=["read_request", "atomic_request"])
+def test_pack_into_writes_what_encode_returns(values: Any, enc: Any, pack_into: Any) -> None:
+    @SETTINGS
+    @given(values, st.integers(0, 40))
+    def check(value: Any, offset: int) -> None:
+        wire = enc(value)
+        buf = bytearray(b"\xa5" * (offset + len(wire) + 3))
+        assert pack_into(buf, offset, *value) == len(wire)
+        assert buf == b"\xa5" * offset + wire + b"\xa5" * 3  # its bytes, and nothing else touched
+
+    check()
+
+
+def test_pack_into_refuses_what_encode_refuses() -> None:
+    buf = bytearray(64)
+    with pytest.raises(ValueError):
+        rdmap.pack_read_request_into(buf, 0, 1 << 32, 0, 1, 1, 0)
+    with pytest.raises(ValueError):
+        rdmap.pack_atomic_request_into(buf, 0, 0x7, 0, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError):
+        rdmap.pack_atomic_request_into(buf, 0, AtomicOp.FETCH_ADD, 0, 0, -1, 0, 0, 0, 0)
+
+
 @pytest.mark.parametrize(("values", "enc", "dec", "ref_build"), ROUND_TRIPS, ids=RT_IDS)
 def test_round_trips_and_reference_agreement(values: Any, enc: Any, dec: Any, ref_build: Any) -> None:
     @SETTINGS
