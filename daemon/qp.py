@@ -756,7 +756,9 @@ class QueuePair:
             self._taken(wr, rkey, raddr)
             # kept until the Modified ACK: an RNR NACK has it sent again
             inv = opcode == _WR_SEND_WITH_INV
-            m = _Q0Msg(self.send_msn, wr, gather or _Gather([(memoryview(msg), _UNTAGGED_PREFIX, n)]),
+            if gather is None:  # inline: the bytes that left
+                gather = _Gather([(memoryview(msg), _UNTAGGED_PREFIX, n)])
+            m = _Q0Msg(self.send_msn, wr, gather,
                        _SEND_OPCODE[inv, bool(flags & _SEND_SOLICITED)], imm if inv else 0)
             m.sent = n
             self._queue_q0(m)
@@ -856,10 +858,9 @@ class QueuePair:
         m.wr.q0_last = m.msn
         self.send_msn += 1
 
-    def _send_untagged(self, opcode: int, msn: int, body: bytes, request: bool = False, taking: int = 0) -> None:
-        """Queue a single-segment untagged message (Read Request, atomics,
-        Immediate Data, Terminate); ``request``: a Read or atomic request
-        (``PeerLink.send_request``); ``taking``: as ``_send_or_queue``'s."""
+    def _send_untagged(self, opcode: int, msn: int, body: bytes) -> None:
+        """Queue a single-segment untagged message from its body (Immediate
+        Data, an Atomic Response, Terminate; requests are packed in place)."""
         assert self.link is not None
         buf = self._untagged_segment(opcode, msn, len(body))
         buf[_UNTAGGED_PREFIX:] = body
@@ -868,7 +869,7 @@ class QueuePair:
             # datagrams, after the ACK of everything the pass received.
             self.link.send(buf)
         else:
-            self._send_or_queue(buf, request=request, taking=taking)
+            self._send_or_queue(buf)
 
     def _untagged_segment(self, opcode: int, msn: int, n: int) -> bytearray:
         """A single-segment untagged message with room for an ``n``-byte
