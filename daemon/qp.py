@@ -677,9 +677,9 @@ class QueuePair:
 
     def _start_next(self) -> int:
         """Take the next WQE off the SQ if the engine can; return how many
-        link messages that queued (a one-segment RDMA Write's segment is
-        queued, or sent, at once; other WQEs' messages as the pump comes
-        back to them), or -1 if no WQE was taken."""
+        link messages that queued (a one-segment RDMA Write's or Send's
+        segment is queued, or sent, at once; other WQEs' messages as the
+        pump comes back to them), or -1 if no WQE was taken."""
         sq = self.sq
         try:
             if not sq.available():
@@ -700,7 +700,7 @@ class QueuePair:
         signaled = bool(self.sq_sig_all or flags & _SEND_SIGNALED)
         status = _WC_SUCCESS
         gather = None
-        msg = None  # a one-segment RDMA Write's segment, built here (see below)
+        msg = None  # a one-segment RDMA Write's or Send's segment, built here (see below)
         if opcode not in _SUPPORTED_WR:
             status = W.IBV_WC_LOC_QP_OP_ERR
         elif flags & _SEND_INLINE and not reads_remote:

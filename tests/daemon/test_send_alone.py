@@ -54,7 +54,7 @@ async def test_messages_posted_together_leave_together() -> None:
 
 
 async def test_inline_writes_of_every_size_arrive_and_complete() -> None:
-    # An inline Write's segment is built straight from the WQE (``_write_inline``):
+    # An inline Write's segment is built straight from the WQE (``QueuePair._start_next``):
     # each size up to the QP's max_inline_data, alone or among other WQEs,
     # lands byte-exact and completes in order; one byte more is a local
     # length error, as before.
