@@ -175,6 +175,15 @@ DAEMON_PACING_BURST_S = 1e-3
 #: TCP uses 200 ms).
 DAEMON_MIN_RTO_S = 0.02
 _RX_BUF = 1 << 16
+#: _read_armed: the arming no longer held, and the socket has something to read
+_RX_READY = 2
+#: when the idle loop arms the lane (Device._arm): after a sched_yield that
+#: took longer than an idle application's turn (about 1.5 µs here, switches
+#: included), or after this many idle passes
+_ARM_AFTER_YIELD_S = 2.5e-6
+_ARM_AFTER_IDLE_PASSES = 4
+_NATIVE_U32 = struct.Struct("=I")
+_LINK_ESTABLISHED = LinkState.ESTABLISHED
 _ERR = S.IBV_QPS_ERR
 _RTS = S.IBV_QPS_RTS
 _BY_RANK = operator.attrgetter("rank")
@@ -281,7 +290,7 @@ class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
     __slots__ = ("device", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint", "ack_waiters",
-                 "ready", "requests")
+                 "ready", "requests", "rx_addr", "rx_port")
 
     def __init__(self, device: "Device", addr: tuple[str, int], link: Link) -> None:
         self.device = device
@@ -295,6 +304,12 @@ class PeerLink:
         # (the STag: its Invalidate STag): what the compiled receive lane
         # may place next (revalidated per call)
         self.rx_hint: tuple[QueuePair, int, int] | None = None
+        # the peer as the compiled read compares a datagram's source (``Device._arm``)
+        try:
+            self.rx_addr: int = _NATIVE_U32.unpack(socket.inet_aton(addr[0]))[0]
+        except OSError:
+            self.rx_addr = 0
+        self.rx_port: int = socket.htons(addr[1])
         # (link message number, QP): an RDMA Write's last segment, queued in
         # number order; the QP may complete once the link acknowledges it
         self.ack_waiters: collections.deque[tuple[int, QueuePair]] = collections.deque()
@@ -334,6 +349,7 @@ class PeerLink:
         except OSError:
             dev.stats["tx_oserror"] += 1
         dev.stats["tx_alone"] += 1
+        dev._sent = True
         return link.sent_alone(message, len(d), now, ack_carrier)
 
     def send_request(self, message: bytearray) -> None:
@@ -559,8 +575,18 @@ class Device:
         #: what _rx_run's constant settings are for: (rx_hint, region, dest QPN) of
         #: a Write, (rx_hint, dest QPN) of a Send; None: set them
         self._rx_run_key: Any = None
+        #: the lane set up ahead for the next datagram (``_arm``): (link,
+        #: ``_run_setup``'s answer, memory, the link's next sequence, the
+        #: STag table's version); the link that last received, to arm for
+        #: it; the links an armed read fed, for the pass's dispatch
+        self._armed: tuple[Any, ...] | None = None
+        self._arm_link: PeerLink | None = None
+        self._touched: set[PeerLink] = set()
+        self._sent = False  # this pass sent a datagram
         if self.native is not None:
             self._rx_run = self.native.ffi.new("udpv_rx_run *")
+            self._rx_recv = self.native.ffi.new("udpv_rx_recv *")
+            self._rx_buf = self.native.ffi.new("uint8_t[]", _RX_BUF)
             # the lane's buffer for whole requests and Atomic Responses: none
             # (the QP reads them in the datagram)
             self._no_mem = self.native.ffi.cast("uint8_t *", 0)
@@ -643,6 +669,8 @@ class Device:
         # third of an idle pass).
         self._rx_epoll = select.epoll()
         self._rx_epoll.register(s.fileno(), select.EPOLLIN)
+        if self.native is not None:
+            self._rx_recv.fd = s.fileno()
         return s.getsockname()
 
     def sessions_changed(self) -> None:
@@ -768,15 +796,19 @@ class Device:
             # what it holds arrived first.
             self._receive_rest(now)
             progress = True
-        elif sock is not None and (rx is None or rx.poll(0)):
-            touched: set[PeerLink] = set()
+        elif sock is not None and (got := self._read_armed(now) if self._armed is not None
+                                   else _RX_READY if rx is None or rx.poll(0) else 0):
+            touched = self._touched  # the armed read's link, if it read
+            self._touched = set()
             gro = self.gro
             cmsgs = gro or self.rx_stamps
             recv = sock.recvmsg if cmsgs else sock.recvfrom
             # now - realtime: converts a kernel stamp to our clock (computed
             # per pass, so a step of the wall clock corrupts one pass at most)
             rt_to_now = now - time.time()
-            budget = _RX_BUDGET
+            # After the armed read, the loop asks the epoll first (and reads
+            # nothing while that read left part of a buffer for the next pass).
+            budget = _RX_BUDGET if got == _RX_READY else 0 if self._rx_rest is not None else _RX_BUDGET - 1
             byte_budget = _RX_BYTE_BUDGET
             while budget > 0 and byte_budget > 0:
                 if budget < _RX_BUDGET and rx is not None and not rx.poll(0):
@@ -817,22 +849,7 @@ class Device:
                     budget -= len(data) // seg
                 else:
                     seg = len(data)
-                pl = links.get(addr)
-                if pl is None:
-                    # Each datagram from an unknown peer is judged (and
-                    # counted) alone until one opens a link.
-                    start = 0
-                    while True:
-                        pl = self._passive_link(addr, data[start:start + seg])
-                        if pl is not None or start + seg >= len(data):
-                            break
-                        start += seg
-                    if pl is None:
-                        continue
-                    if start:
-                        data = data[start:]
-                self._receive(pl, data, seg, now, arrived)
-                touched.add(pl)
+                self._received(addr, data, seg, now, arrived, touched)
                 if self._rx_rest is not None:
                     break  # the rest of that buffer first, next pass
             if touched:
@@ -934,15 +951,143 @@ class Device:
                     self._qp_failed(qp)
         if answerer is not None:
             self._answer_early(answerer)  # posted after the SQ watch looked: sent now, not a pass later
+        if self._sent:
+            self._sent = False
+            if self.yield_on_delivery and self._armed is None and self._arm_link is not None:
+                # Our application may share our vCPU: it waits for the
+                # peer's answer to what we just sent, so the rest of our
+                # pass delays nobody.  Arm now (see run_data_path otherwise).
+                self._arm(self._arm_link)
         if self.check_passes:
             self.check_pass()
         return progress
+
+    def _received(self, addr: tuple[str, int], data: bytes, seg: int, now: float, arrived: float,
+                  touched: set[PeerLink]) -> None:
+        """Feed a buffer read from ``addr`` to its link (``_receive``), or
+        to a new passive one; add the link to ``touched``."""
+        self._armed = None  # set up for what the link expected before this
+        pl = self.links.get(addr)
+        if pl is None:
+            # Each datagram from an unknown peer is judged (and
+            # counted) alone until one opens a link.
+            start = 0
+            while True:
+                pl = self._passive_link(addr, data[start:start + seg])
+                if pl is not None or start + seg >= len(data):
+                    break
+                start += seg
+            if pl is None:
+                return
+            if start:
+                data = data[start:]
+        self._arm_link = pl
+        self._receive(pl, data, seg, now, arrived)
+        touched.add(pl)
+
+    def _arm(self, pl: PeerLink) -> None:
+        """Set the lane up for the run ``pl``'s hint expects next, before it
+        comes: the next pass reads the socket and places it in one compiled
+        call (``_read_armed``).
+
+        In a ping-pong the set-up (``_run_setup``) and the Python read of
+        the socket were 6 µs of each hop between the datagram's arrival and
+        its data in place.  Done here, at the end of a pass, they cost the
+        same, but while the peer is still working on its answer.  What the
+        set-up read may change before that pass; ``_read_armed`` checks it
+        (the QP's state, the link's state and next sequence, the STag
+        table's version, which moves on every registration and
+        invalidation, and so covers the regions the lane would write);
+        everything else it read changes only when this daemon takes a
+        datagram, which disarms (``_received``), or when the QP table
+        changes (``_qps_changed``).  The memory's address is kept without a
+        buffer export, which would keep deregistration from unmapping it:
+        no region the arming saw can go without the STag table's version
+        moving.
+        """
+        if pl.rx_hint is None or self.native is None or self.links.get(pl.addr) is not pl:
+            return
+        setup = self._run_setup(pl, self.config.rx_dispatch_budget or _WHOLE_MAX, drop=False)
+        if setup is None:
+            return
+        view, start = setup[2], setup[3]
+        ffi = self.native.ffi
+        if view is None:
+            mem = self._no_mem
+        else:
+            try:
+                held = ffi.from_buffer("uint8_t[]", view, require_writable=True)
+            except ValueError:
+                return
+            mem = ffi.cast("uint8_t *", int(ffi.cast("uintptr_t", held)) + start)
+            ffi.release(held)
+        self._armed = (pl, setup, mem, pl.link.rcv_nxt, self.stags.version)
+
+    def _read_armed(self, now: float) -> int:
+        """Read the socket once through the armed lane (``_arm``): 1 if
+        something was read (the caller reads on while the socket has more),
+        0 if nothing was; if the arming no longer holds, ``_RX_READY`` when
+        the socket has something for the usual way to read, else 0."""
+        pl, setup, mem, rcv_nxt, version = self._armed  # type: ignore[misc]
+        qp = setup[0]
+        link = pl.link
+        if qp.state not in _RECEIVING or link.rcv_nxt != rcv_nxt or link.state != _LINK_ESTABLISHED \
+                or self.stags.version != version or self.links.get(pl.addr) is not pl:
+            self._armed = None
+            self.stats["rx_armed_stale"] += 1
+            return _RX_READY if self._rx_epoll is None or self._rx_epoll.poll(0) else 0
+        rx = self._rx_recv
+        if rx.peer_port != pl.rx_port or rx.peer_addr != pl.rx_addr:
+            rx.peer_addr, rx.peer_port = pl.rx_addr, pl.rx_port
+        k = self.native.lib.udpv_rx_recv_run(rx, self._rx_run, self._rx_buf, _RX_BUF, mem)
+        if k < 0:
+            if rx.err == errno.EAGAIN or rx.err == errno.EINTR:
+                return 0  # still armed
+            self._armed = None
+            self.stats["rx_oserror"] += 1  # e.g. ICMP port unreachable reported on the socket
+            return 1
+        self._armed = None
+        self.stats["rx_armed"] += 1
+        n = rx.n
+        if rx.truncated:
+            self.stats["rx_truncated"] += 1
+            return 1
+        arrived = now
+        if rx.ts_sec:
+            arrived = _arrival(rx.ts_sec + rx.ts_nsec * 1e-9 + (now - time.time()), now)
+        seg = rx.seg
+        if seg < n:
+            self.stats["rx_gro_batches"] += 1
+        touched = self._touched
+        if not rx.from_peer:
+            addr = (socket.inet_ntoa(_NATIVE_U32.pack(rx.src_addr)), socket.ntohs(rx.src_port))
+            self._received(addr, self.native.ffi.buffer(self._rx_buf, n)[:], seg, now, arrived, touched)
+            return 1
+        touched.add(pl)
+        self._arm_link = pl
+        data = None
+        if k == 0 or k * seg < n or setup[6] is not None:
+            # the Python path, or a request's answer, reads the datagrams:
+            # a copy, since the next read reuses the buffer
+            data = self.native.ffi.buffer(self._rx_buf, n)[:]
+        if k:
+            used = self._run_taken(pl, setup, k, data, 0, n, seg, now, arrived)
+        else:
+            # What the lane did not take goes the Python path, as in _receive.
+            link.datagram_received(memoryview(data)[:seg], now, arrived)  # type: ignore[arg-type]
+            used = seg
+            for msg in link.drain_received():
+                self._dispatch(pl, msg)
+        if used < n:
+            self._receive(pl, data, seg, now, arrived, used)  # type: ignore[arg-type]
+        return 1
 
     def _receive_rest(self, now: float) -> None:
         """Go on with the buffer an earlier pass left (``_rx_rest``), within the budget again."""
         assert self._rx_rest is not None
         pl, data, off, seg, arrived = self._rx_rest
         self._rx_rest = None
+        self._armed = None
         if self.links.get(pl.addr) is not pl:
             return  # the link went away in between: what it held goes with it
         self._receive(pl, data, seg, now, arrived, off)
@@ -1015,35 +1160,25 @@ class Device:
                 self._rx_rest = (pl, data, off, seg, arrived)
                 return
 
-    def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float,
-                   limit: int = _WHOLE_MAX) -> int:
-        """Place the run of RDMA Write (or Read Response, or Send) segments
-        at ``data[off:]`` that the compiled lane accepts, or take the Read
-        or atomic requests, or Atomic Responses, there (at most ``limit``);
-        return the bytes it consumed (0: none).
-
-        What the lane does not check, checked here once per call: the
-        hinted QP still receives on this link; for a Write, the STag still
-        names a region in its PD with remote write access; for a Read
-        Response, it is the sink STag of the Read at the ORRQ head, whose
-        sink is one SGE; for a Send, a receive of one SGE is under way and
-        no RNR NACK or Immediate Data is pending (the MSN and the message
-        offset the lane checks against the QP's).  A request the QP answers,
-        and an Atomic Response it takes, as the Python path does, with all
-        of that path's checks.
-        """
+    def _run_setup(self, pl: PeerLink, limit: int, drop: bool = True) -> tuple[Any, ...] | None:
+        """Set the lane's run (``_rx_run``) for what ``pl``'s hint names,
+        after the checks ``_place_run`` describes; return what the run's
+        taking needs (``_run_taken``), or None (the hint dropped, unless
+        ``drop`` is False, or the link takes nothing in a run now)."""
         hint = pl.rx_hint
         qp, stag, op = hint  # type: ignore[misc]
         if qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
-            pl.rx_hint = None
-            return 0
+            if drop:
+                pl.rx_hint = None
+            return None
         r = self._rx_run
-        request = None
+        request = recv = rd = msn = None
         if op == _OP_WRITE:
             mr = self.stags.lookup(stag)
             if mr is None or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE:
-                pl.rx_hint = None
-                return 0
+                if drop:
+                    pl.rx_hint = None
+                return None
             view, start = mr.view, 0
             key: Any = (hint, mr, qp.dest_qpn)
             if self._rx_run_key != key:
@@ -1061,8 +1196,9 @@ class Device:
             recv = None if qp.rx_imm_pending or qp.rx_rnr else qp.rx_recv or qp.peek_receive()
             gather = None if recv is None else recv[1]
             if gather is None or len(gather.pieces) != 1:
-                pl.rx_hint = None
-                return 0
+                if drop:
+                    pl.rx_hint = None
+                return None
             view, start, length = gather.pieces[0]
             key = (hint, qp.dest_qpn)
             if self._rx_run_key != key:
@@ -1096,8 +1232,9 @@ class Device:
                 # hint's (the Read before it).
                 rd = qp.orrq[0] if qp.orrq else None
                 if type(rd) is not _PendingRead or len(rd.gather.pieces) != 1:
-                    pl.rx_hint = None
-                    return 0
+                    if drop:
+                        pl.rx_hint = None
+                    return None
                 stag = rd.wr.sink_stag
                 view, start, _ = rd.gather.pieces[0]
                 r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
@@ -1107,12 +1244,36 @@ class Device:
         link = pl.link
         expect = link.run_receivable()
         if expect is None:
-            return 0
+            return None
         r.conn_tag, r.seq, r.max_count = expect
         if request is not None:
             room = limit if limit < _WHOLE_MAX else _WHOLE_MAX
             if r.max_count > room:
                 r.max_count = room
+        return qp, op, view, start, recv, rd, request, msn
+
+    def _place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float,
+                   limit: int = _WHOLE_MAX) -> int:
+        """Place the run of RDMA Write (or Read Response, or Send) segments
+        at ``data[off:]`` that the compiled lane accepts, or take the Read
+        or atomic requests, or Atomic Responses, there (at most ``limit``);
+        return the bytes it consumed (0: none).
+
+        What the lane does not check, checked here once per call: the
+        hinted QP still receives on this link; for a Write, the STag still
+        names a region in its PD with remote write access; for a Read
+        Response, it is the sink STag of the Read at the ORRQ head, whose
+        sink is one SGE; for a Send, a receive of one SGE is under way and
+        no RNR NACK or Immediate Data is pending (the MSN and the message
+        offset the lane checks against the QP's).  A request the QP answers,
+        and an Atomic Response it takes, as the Python path does, with all
+        of that path's checks.
+        """
+        setup = self._run_setup(pl, limit)
+        if setup is None:
+            return 0
+        qp, op, view, start = setup[:4]
+        r = self._rx_run
         ffi = self.native.ffi
         if view is None:
             mem = self._no_mem
@@ -1135,6 +1296,17 @@ class Device:
             ffi.release(buf)
         if more is not None:
             return self._reads_responded(pl, qp, more, now, arrived) - off
+        return self._run_taken(pl, setup, k, data, off, len(data), seg, now, arrived)
+
+    def _run_taken(self, pl: PeerLink, setup: tuple[Any, ...], k: int, data: bytes | None, off: int, end: int,
+                   seg: int, now: float, arrived: float) -> int:
+        """The lane took ``k`` datagrams at ``data[off:end]`` in the run
+        ``setup`` set: complete, answer and account for them; return the
+        bytes consumed (``data`` is read only for requests, Atomic
+        Responses and what follows the run: None when there is none)."""
+        qp, op, view, start, recv, rd, request, msn = setup
+        r = self._rx_run
+        link = pl.link
         if k:
             # What an application waits on first, the link's accounting of
             # the run (and of the ACK it carries) after: a Send's receive
@@ -1169,7 +1341,7 @@ class Device:
                 else:
                     at = self._take_whole(qp, op, msn, data, off, seg, k)
                     self.stats["rx_native_requests"] += k
-                    if k == 1 and at >= len(data) and self.answer_at_once:
+                    if k == 1 and at >= end and self.answer_at_once:
                         # A lone request, the last of what this receive
                         # brought (read_lat, atomic_lat): the requester
                         # waits on nothing else, so it is answered now, not
@@ -1184,8 +1356,8 @@ class Device:
             self._delivered_to = qp
             self.stats["rx_native_datagrams"] += k
         used = k * seg
-        if used >= len(data) - off:
-            return len(data) - off
+        if used >= end - off:
+            return end - off
         if r.peeked and self._write_rehint(pl):
             # The next message is another QP's or region's Write (Writes
             # over many QPs interleave): the lane takes it too, instead of
@@ -1346,7 +1518,7 @@ class Device:
         except Exception:  # an engine bug ends this QP, never the daemon
             self._qp_failed(qp)
             return True
-        if sent and qp.q0 and qp.rx_recv is None:
+        if sent and qp.q0 and qp.rx_recv is None and self.native is None:
             # Our Sends are out: the peer's may answer them, into our next receive
             self._prefetch.append(qp)
         return bool(sent)
@@ -1404,6 +1576,7 @@ class Device:
 
     def _qps_changed(self) -> None:
         """A QP came or went: forget where QPs wait, and visit each once."""
+        self._armed = None
         qps = list(self.qps.values())
         for i, qp in enumerate(qps):
             qp.rank = i
@@ -1447,6 +1620,7 @@ class Device:
             self._send_segmented(out, pl.addr)
         else:
             self._send_each(out, pl.addr)  # type: ignore[arg-type]
+        self._sent = True
         return True
 
     def _send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
@@ -1668,13 +1842,27 @@ class Device:
             # RTT and sleeping would add a vCPU wake-up to every round trip.
             spin_end = self.now + (self.inflight_spin_s if self._awaiting_peer() else spin_s)
             found = False
+            idle = 0
             while clock() < spin_end:
-                os.sched_yield()
                 t0 = clock()
+                os.sched_yield()
+                t1 = clock()
                 if self.poll_once():
-                    self.busy_s += clock() - t0
+                    self.busy_s += clock() - t1
                     found = True
                     break
+                idle += 1
+                if self._armed is None and self._arm_link is not None and \
+                        (t1 - t0 > _ARM_AFTER_YIELD_S or idle == _ARM_AFTER_IDLE_PASSES):
+                    # Arm while nobody waits on us.  With our applications on
+                    # other vCPUs (``udpverbs perf --local`` pins each daemon
+                    # where the other side's application runs), the end of a
+                    # pass is not such a time: the application sharing our
+                    # vCPU may be about to see what our peer placed.  A long
+                    # yield is: it ran a turn with work in it (in a
+                    # ping-pong, its next message posted), and waits a hop
+                    # now.  On a vCPU of our own, a few idle passes are.
+                    self._arm(self._arm_link)
             if found:
                 continue
             await self._sleep()

@@ -10,9 +10,13 @@
  * Anything it does not recognise ends the run: the Python path then handles
  * that datagram, so this code never has to produce an error.
  */
+#include <errno.h>
+#include <netinet/in.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
 
 /* -- CRC32c (Castagnoli, reflected polynomial 0x82F63B78) ----------------- */
 
@@ -380,4 +384,83 @@ size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watc
     for (size_t i = 0; i < n; i++)
         if (watched[i] && hdr[i][0] != hdr[i][cons_word]) out[k++] = (uint32_t)i;
     return k;
+}
+
+/* -- the armed receive: the socket read and the lane in one call ---------- */
+
+enum {
+    SOL_UDP_LEVEL = 17,      /* daemon/device.py SOL_UDP */
+    UDP_GRO_OPT = 104,       /* ... UDP_GRO */
+    TIMESTAMPNS_OPT = 35,    /* ... SO_TIMESTAMPNS (SO_TIMESTAMPNS_OLD: a native timespec) */
+};
+
+typedef struct {
+    int fd;
+    /* the armed link's peer (IPv4, network order) */
+    uint32_t peer_addr;
+    uint16_t peer_port;
+    /* what the read returned */
+    uint32_t n;          /* bytes: a datagram, or a GRO buffer of datagrams */
+    uint32_t seg;        /* their size (the GRO segment size), or n */
+    uint32_t truncated;  /* MSG_TRUNC or MSG_CTRUNC: the buffer is not to be used */
+    uint32_t from_peer;  /* the source is the armed peer */
+    int64_t ts_sec, ts_nsec; /* the kernel's arrival stamp (CLOCK_REALTIME), 0 if none */
+    uint32_t src_addr;   /* the source (network order) */
+    uint16_t src_port;
+    int err;             /* errno of a failed read */
+} udpv_rx_recv;
+
+/* Read one datagram (or GRO buffer) from a->fd into buf, without blocking,
+   and, if it came from the armed peer whole, run the receive lane over it
+   with r and mem (as udpv_rx_write_run). Returns the lane's count (0: none
+   taken, the caller handles the buffer), or -1 if the read failed (a->err:
+   EAGAIN when there is nothing to read). In the time the Python path takes
+   to get from a readable socket to the lane (the read, its control
+   messages, the lane's set-up), the daemon has the data in place; the
+   set-up is done before the datagram comes (daemon/device.py, ``_arm``). */
+long udpv_rx_recv_run(udpv_rx_recv *a, udpv_rx_run *r, uint8_t *buf, size_t cap, uint8_t *mem) {
+    struct sockaddr_in src;
+    union {
+        char b[CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(struct timespec)) + 32];
+        struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {buf, cap};
+    struct msghdr m;
+    memset(&m, 0, sizeof m);
+    m.msg_name = &src;
+    m.msg_namelen = sizeof src;
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = ctl.b;
+    m.msg_controllen = sizeof ctl.b;
+    ssize_t got = recvmsg(a->fd, &m, MSG_DONTWAIT);
+    if (got < 0) {
+        a->err = errno;
+        return -1;
+    }
+    size_t n = (size_t)got;
+    size_t seg = 0;
+    a->n = (uint32_t)n;
+    a->truncated = (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0;
+    a->ts_sec = a->ts_nsec = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c != NULL; c = CMSG_NXTHDR(&m, c)) {
+        if (c->cmsg_level == SOL_UDP_LEVEL && c->cmsg_type == UDP_GRO_OPT && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+            int v;
+            memcpy(&v, CMSG_DATA(c), sizeof v);
+            seg = v > 0 ? (size_t)v : 0;
+        } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == TIMESTAMPNS_OPT &&
+                   c->cmsg_len >= CMSG_LEN(sizeof(struct timespec))) {
+            struct timespec ts;
+            memcpy(&ts, CMSG_DATA(c), sizeof ts);
+            a->ts_sec = ts.tv_sec;
+            a->ts_nsec = ts.tv_nsec;
+        }
+    }
+    a->seg = (uint32_t)(0 < seg && seg < n ? seg : n);
+    a->src_addr = m.msg_namelen >= sizeof src && src.sin_family == AF_INET ? src.sin_addr.s_addr : 0;
+    a->src_port = m.msg_namelen >= sizeof src && src.sin_family == AF_INET ? src.sin_port : 0;
+    a->from_peer = m.msg_namelen >= sizeof src && src.sin_family == AF_INET && src.sin_addr.s_addr == a->peer_addr &&
+                   src.sin_port == a->peer_port;
+    if (a->truncated || !a->from_peer || n == 0) return 0;
+    return (long)udpv_rx_write_run(r, buf, n, a->seg, mem);
 }

@@ -129,6 +129,22 @@ typedef struct {
 size_t udpv_tx_frame_slots(const udpv_tx_frame *f, uint8_t *out, size_t k, size_t stride, size_t last_len);
 uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n);
 
+typedef struct {
+    int fd;
+    uint32_t peer_addr;
+    uint16_t peer_port;
+    uint32_t n;
+    uint32_t seg;
+    uint32_t truncated;
+    uint32_t from_peer;
+    int64_t ts_sec, ts_nsec;
+    uint32_t src_addr;
+    uint16_t src_port;
+    int err;
+} udpv_rx_recv;
+
+long udpv_rx_recv_run(udpv_rx_recv *a, udpv_rx_run *r, uint8_t *buf, size_t cap, uint8_t *mem);
+
 size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watched, size_t n, size_t cons_word,
                         uint32_t *out);
 """

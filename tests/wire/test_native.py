@@ -17,7 +17,12 @@ must produce exactly the bytes of the Python encoders, for any field values;
 
 from __future__ import annotations
 
+import errno
 import random
+import select
+import socket
+import struct
+import time
 from collections.abc import Callable
 
 import pytest
@@ -448,3 +453,90 @@ def test_the_send_lane_builds_what_the_python_encoders_build(
         h, body = link.decode_untrusted(p)
         assert h.seq == (seq + packets.index(p)) & 0xFFFFFFFF
         segment.decode_untrusted(body)
+
+
+# -- the armed read: the socket read and the lane in one call ---------------------------------------------
+
+
+def _armed_pair(peer: "socket.socket") -> tuple[object, object, bytearray, "socket.socket"]:
+    """A receiving socket (kernel arrival stamps on, as the daemon's), an
+    ``udpv_rx_recv`` armed for ``peer``'s address and a Write run expecting
+    ``_datagram``'s stream; with the memory the run writes."""
+    assert mod is not None
+    ffi = mod.ffi
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.setsockopt(socket.SOL_SOCKET, device.SO_TIMESTAMPNS, 1)
+    a = ffi.new("udpv_rx_recv *")
+    a.fd = rx.fileno()
+    host, port = peer.getsockname()
+    a.peer_addr = struct.unpack("=I", socket.inet_aton(host))[0]
+    a.peer_port = socket.htons(port)
+    r = ffi.new("udpv_rx_run *")
+    r.conn_tag, r.seq, r.max_count = TAG, ISN, 64
+    r.w0, r.w1 = (1 << 24) | QPN, PEER_QPN
+    r.ctrl_more, r.rctl = rdmap.tagged_control(Opcode.RDMA_WRITE, False)
+    r.ctrl_last = rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0]
+    r.stag, r.base, r.length = STAG, BASE, LENGTH
+    return a, r, bytearray(LENGTH), rx
+
+
+def _read_armed(a: object, r: object, mem: bytearray, cap: int = 1 << 16) -> tuple[int, bytes]:
+    assert mod is not None
+    ffi, lib = mod.ffi, mod.lib
+    buf = ffi.new("uint8_t[]", cap)
+    k = lib.udpv_rx_recv_run(a, r, buf, cap, ffi.from_buffer("uint8_t[]", mem))
+    return k, ffi.buffer(buf, max(0, a.n))[:] if k >= 0 else b""
+
+
+def _wait_readable(s: "socket.socket") -> None:
+    assert select.select([s], [], [], 2.0)[0], "the datagram did not arrive"
+
+
+def test_the_armed_read_places_what_the_armed_peer_sent() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        tx.bind(("127.0.0.1", 0))
+        a, r, mem, rx = _armed_pair(tx)
+        with rx:
+            d = _datagram(0, payload=b"\x5a" * PAYLOAD)
+            tx.sendto(d, rx.getsockname())
+            _wait_readable(rx)
+            k, got = _read_armed(a, r, mem)
+            assert (k, a.from_peer, a.truncated, a.n, a.seg) == (1, 1, 0, len(d), len(d))
+            assert got == d and bytes(mem[:PAYLOAD]) == b"\x5a" * PAYLOAD and not any(mem[PAYLOAD:])
+            assert abs(a.ts_sec + a.ts_nsec * 1e-9 - time.time()) < 5.0  # the kernel's stamp
+            assert (r.first_ack, r.bytes) == (ACK, PAYLOAD)
+
+
+def test_the_armed_read_leaves_another_sender_s_datagram_to_the_caller() -> None:
+    # Same bytes, the run would take them: from any other address the lane
+    # is not run, and the caller gets the datagram and its source.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as armed, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        armed.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        a, r, mem, rx = _armed_pair(armed)
+        with rx:
+            d = _datagram(1, payload=b"\xee" * PAYLOAD, to=BASE)
+            other.sendto(d, rx.getsockname())
+            _wait_readable(rx)
+            k, got = _read_armed(a, r, mem)
+            assert (k, a.from_peer, a.n) == (0, 0, len(d))
+            assert got == d and not any(mem)
+            assert (socket.inet_ntoa(struct.pack("=I", a.src_addr)), socket.ntohs(a.src_port)) == \
+                other.getsockname()
+
+
+def test_the_armed_read_reports_an_empty_socket_and_a_truncated_datagram() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        tx.bind(("127.0.0.1", 0))
+        a, r, mem, rx = _armed_pair(tx)
+        with rx:
+            rx.setblocking(False)
+            assert _read_armed(a, r, mem)[0] == -1 and a.err == errno.EAGAIN
+            d = _datagram(0)
+            tx.sendto(d, rx.getsockname())
+            _wait_readable(rx)
+            k, _ = _read_armed(a, r, mem, cap=len(d) - 1)
+            assert (k, a.truncated, a.from_peer) == (0, 1, 1) and not any(mem)
+            assert _read_armed(a, r, mem)[0] == -1  # it was read (and dropped): nothing left
