@@ -1007,7 +1007,8 @@ class Device:
         """
         if pl.rx_hint is None or self.native is None or self.links.get(pl.addr) is not pl:
             return
-        setup = self._run_setup(pl, self.config.rx_dispatch_budget or _WHOLE_MAX, drop=False)
+        limit = (self.config.rx_dispatch_budget or _WHOLE_MAX) if pl.rx_hint[2] in _ANSWERED_BY_DAEMON else _WHOLE_MAX
+        setup = self._run_setup(pl, limit, drop=False)
         if setup is None:
             return
         view, start = setup[2], setup[3]
@@ -1079,7 +1080,10 @@ class Device:
             for msg in link.drain_received():
                 self._dispatch(pl, msg)
         if used < n:
-            self._receive(pl, data, seg, now, arrived, used)  # type: ignore[arg-type]
+            # the rest as _receive goes on after a lane call, the requests
+            # the lane took counted against the pass's budget
+            spent = k if k and setup[1] in _ANSWERED_BY_DAEMON else 0
+            self._receive(pl, data, seg, now, arrived, used, spent)  # type: ignore[arg-type]
         return 1
 
     def _receive_rest(self, now: float) -> None:
@@ -1094,7 +1098,8 @@ class Device:
         for msg in pl.link.drain_received():
             self._dispatch(pl, msg)
 
-    def _receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float, off: int = 0) -> None:
+    def _receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float, off: int = 0,
+                 spent: int = 0) -> None:
         """Feed one received buffer to ``pl``'s link from offset ``off``: a
         datagram, or (``seg`` < its length) datagrams of ``seg`` bytes
         coalesced by GRO.
@@ -1131,6 +1136,12 @@ class Device:
             return
         view = memoryview(data)
         budget = self.config.rx_dispatch_budget or n
+        if spent:
+            # the armed read took requests of this buffer already (_read_armed)
+            budget -= spent
+            if budget <= 0:
+                self._rx_rest = (pl, data, off, seg, arrived)
+                return
         while off < n:
             hint = pl.rx_hint
             if hint is not None:
