@@ -1022,6 +1022,8 @@ class Device:
                 return
             mem = ffi.cast("uint8_t *", int(ffi.cast("uintptr_t", held)) + start)
             ffi.release(held)
+        rx = self._rx_recv
+        rx.peer_addr, rx.peer_port = pl.rx_addr, pl.rx_port
         self._armed = (pl, setup, mem, pl.link.rcv_nxt, self.stags.version)
 
     def _read_armed(self, now: float) -> int:
@@ -1032,14 +1034,13 @@ class Device:
         pl, setup, mem, rcv_nxt, version = self._armed  # type: ignore[misc]
         qp = setup[0]
         link = pl.link
+        # (a link leaves the table only when it ends: its state covers that)
         if qp.state not in _RECEIVING or link.rcv_nxt != rcv_nxt or link.state != _LINK_ESTABLISHED \
-                or self.stags.version != version or self.links.get(pl.addr) is not pl:
+                or self.stags.version != version:
             self._armed = None
             self.stats["rx_armed_stale"] += 1
             return _RX_READY if self._rx_epoll is None or self._rx_epoll.poll(0) else 0
         rx = self._rx_recv
-        if rx.peer_port != pl.rx_port or rx.peer_addr != pl.rx_addr:
-            rx.peer_addr, rx.peer_port = pl.rx_addr, pl.rx_port
         k = self.native.lib.udpv_rx_recv_run(rx, self._rx_run, self._rx_buf, _RX_BUF, mem)
         if k < 0:
             if rx.err == errno.EAGAIN or rx.err == errno.EINTR:

@@ -1,6 +1,7 @@
 /* The compiled lanes for DDP segments (see wire/native.py): the receive
- * lane (RDMA Writes; Read Responses and Sends, in sequential mode), and
- * the send lane's body builder and framer further down.
+ * lane (RDMA Writes; Read Responses and Sends, in sequential mode), the
+ * send lane's body builder and framer further down, and at the end the
+ * armed read (the socket read and the receive lane in one call).
  *
  * The byte layouts here are the ones declared in wire/link.py (link header,
  * 28 B + CRC32c trailer), wire/envelope.py (8 B) and wire/rdmap.py (tagged
@@ -457,10 +458,10 @@ long udpv_rx_recv_run(udpv_rx_recv *a, udpv_rx_run *r, uint8_t *buf, size_t cap,
         }
     }
     a->seg = (uint32_t)(0 < seg && seg < n ? seg : n);
-    a->src_addr = m.msg_namelen >= sizeof src && src.sin_family == AF_INET ? src.sin_addr.s_addr : 0;
-    a->src_port = m.msg_namelen >= sizeof src && src.sin_family == AF_INET ? src.sin_port : 0;
-    a->from_peer = m.msg_namelen >= sizeof src && src.sin_family == AF_INET && src.sin_addr.s_addr == a->peer_addr &&
-                   src.sin_port == a->peer_port;
+    int inet = m.msg_namelen >= sizeof src && src.sin_family == AF_INET;
+    a->src_addr = inet ? src.sin_addr.s_addr : 0;
+    a->src_port = inet ? src.sin_port : 0;
+    a->from_peer = inet && src.sin_addr.s_addr == a->peer_addr && src.sin_port == a->peer_port;
     if (a->truncated || !a->from_peer || n == 0) return 0;
     return (long)udpv_rx_write_run(r, buf, n, a->seg, mem);
 }

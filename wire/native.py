@@ -49,6 +49,13 @@ is and the payload is copied once.  Both produce exactly the bytes of the Python
 encoders (``tests/wire/test_native.py``), and a device with the lanes sends
 what a device without them sends (``tests/daemon/test_native_send_lane.py``).
 
+The armed read, ``udpv_rx_recv_run``, puts the socket read in front of
+the receive lane: one non-blocking ``recvmsg`` (with its GRO size and
+kernel arrival stamp), then, if the datagram came from the peer the
+caller armed it for, the lane over it with a run the daemon set up before
+the datagram came (``Device._arm``).  Whatever it does not take stays in
+the buffer for the Python path, with its source.
+
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
 idle QPs have new WQEs, comparing producer and consumer index in each SQ's
 header in one call instead of one Python step per QP (``daemon/device.py``,
