@@ -1,0 +1,156 @@
+"""The hand-over after a datagram sent alone (``Device._hand_over``).
+
+Right after a message leaves in a datagram of its own, the daemon arms the
+receive lane for the answer and lets the processes sharing its vCPU run,
+until one of them has had a turn clearly longer than its idle ones (it took
+our data and answered), the socket has something, or ``hand_over_s`` is
+up.  Which turn ends it is decided here with a fake clock and a fake
+``sched_yield`` whose turns take what each test says; the arming, with real
+sockets on loopback.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+
+from udpverbs.daemon import device
+from udpverbs.daemon.device import Device, DeviceConfig
+from udpverbs.wire import native
+from udpverbs.wire.shm import WcStatus as W
+
+from .test_batching import Host, complete, connected
+
+
+class Turns:
+    """A clock that only moves when we yield: each yield takes the next of
+    ``turns_us`` (the last one repeats), as the other processes' turns would."""
+
+    def __init__(self, turns_us: list[float]) -> None:
+        self.t = 100.0
+        self.turns = list(turns_us)
+        self.yields = 0
+
+    def clock(self) -> float:
+        return self.t
+
+    def yield_cpu(self) -> None:
+        self.yields += 1
+        turn = self.turns.pop(0) if len(self.turns) > 1 else self.turns[0]
+        self.t += turn * 1e-6
+
+
+def quiet(a: Host, b: Host) -> None:
+    """Turn both loops until neither socket has anything left to read."""
+    for _ in range(100):
+        a.dev.poll_once()
+        b.dev.poll_once()
+        if not (a.dev._rx_epoll.poll(0) or b.dev._rx_epoll.poll(0)):
+            return
+    raise AssertionError("the link does not settle")
+
+
+@pytest.fixture
+def turns(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    def install(turns_us: list[float]) -> Turns:
+        fake = Turns(turns_us)
+        monkeypatch.setattr(device, "_turn_clock", fake.clock)
+        monkeypatch.setattr(device, "_yield_cpu", fake.yield_cpu)
+        return fake
+    return install
+
+
+@pytest.mark.parametrize("turns_us, yields", [
+    ([1.5, 1.6, 1.4, 6.0, 1.5], 4),  # an application spinning on a byte, then answering
+    ([3.5, 3.4, 3.6, 3.5, 12.0, 3.5], 5),  # one polling a CQ in Python: longer idle turns
+    ([6.0, 1.5], 2),  # it answered in its first turn: known once a turn shows what idle is
+])
+async def test_the_hand_over_ends_after_a_turn_that_did_work(turns, turns_us: list[float], yields: int) -> None:
+    async with connected() as (a, b):
+        quiet(a, b)
+        fake = turns(turns_us)
+        a.dev._hand_over(a.qp.link)
+        assert fake.yields == yields
+        assert a.dev.stats["hand_over_answered"] == 1
+
+
+async def test_quick_yields_do_not_end_the_hand_over_before_its_time(turns) -> None:
+    # Yields that return at once: nobody else runs, or the scheduler does not
+    # pick one that had more than its share.  Only the time limit ends it.
+    async with connected() as (a, b):
+        quiet(a, b)
+        fake = turns([0.3])
+        start = fake.t
+        a.dev._hand_over(a.qp.link)
+        assert a.dev.hand_over_s <= fake.t - start < a.dev.hand_over_s + 0.5e-6
+        assert a.dev.stats["hand_over_answered"] == 0
+
+
+async def test_a_readable_socket_ends_the_hand_over(turns) -> None:
+    async with connected() as (a, b):
+        quiet(a, b)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            stranger.bind(("127.0.0.4", 0))
+            stranger.sendto(b"\x01" * 40, a.dev.sock.getsockname())
+            for _ in range(200):
+                if a.dev._rx_epoll.poll(0):
+                    break
+                await trio.sleep(0.001)
+            fake = turns([1.5])
+            a.dev._hand_over(a.qp.link)
+        assert fake.yields == 1
+
+
+def test_a_daemon_that_does_not_spin_does_not_hand_over() -> None:
+    dev = Device(DeviceConfig(spin_us=0))
+    try:
+        assert dev.hand_over_s == 0
+    finally:
+        dev.close()
+    dev = Device(DeviceConfig())
+    try:
+        assert 0 < dev.hand_over_s <= dev.config.spin_s
+    finally:
+        dev.close()
+
+
+async def test_no_yield_without_a_hand_over_time(turns) -> None:
+    async with connected() as (a, b):
+        quiet(a, b)
+        fake = turns([1.5])
+        a.dev.hand_over_s = 0
+        a.dev._hand_over(a.qp.link)
+        assert fake.yields == 0
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler here: nothing to arm")
+async def test_a_write_sent_alone_arms_its_daemon_for_the_answer() -> None:
+    # B's Write to A leaves alone; in that same pass B arms the lane for A's
+    # answer (the pass's own end does not: B's applications are taken to be
+    # on other vCPUs), and A's answer is then read by the armed read.
+    async with connected() as (a, b):
+        b.dev.yield_on_delivery = False
+        a.mr.view[:4] = b"ping"
+        a.post_write(1, 0, 4, b, 0)
+        assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]  # B's hint: A's Writes
+        for _ in range(20):
+            b.dev.poll_once()  # ACKs settle; nothing is sent alone
+        assert b.dev._armed is None
+        alone = b.dev.stats["tx_alone"]
+        b.mr.view[64:68] = b"pong"
+        b.post_write(2, 64, 4, a, 64)
+        b.dev.poll_once()
+        assert b.dev.stats["tx_alone"] == alone + 1
+        armed = b.dev._armed
+        assert armed is not None and armed[0] is b.qp.link and armed[3] == b.qp.link.link.rcv_nxt
+        a.mr.view[128:132] = b"back"
+        a.post_write(3, 128, 4, b, 128)
+        for _ in range(2000):
+            a.dev.poll_once()
+            b.dev.poll_once()
+            if b.dev.stats["rx_armed"]:
+                break
+        assert b.dev.stats["rx_armed"] == 1
+        assert bytes(b.mr.view[128:132]) == b"back"
