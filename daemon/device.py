@@ -32,7 +32,10 @@ waking a trio task per event costs hundreds of microseconds (measured in
    looked at for a moved SQ producer index; QPs with data wait on their
    link's ready line and take turns while it has room, one RDMA Write per
    turn; QPs something happened to (a message, a state change) are visited
-   first (``Device._sq_watch``);
+   first (``Device._sq_watch``).  A message that would leave alone at the
+   end of the pass (a ping-pong's) is sent at once, and the daemon then
+   arms for its answer and hands its vCPU over for a moment before it
+   records the message (``Device._hand_over``);
 7. send what the links release (paced) on the socket: runs of equal-size
    datagrams go out in one UDP_SEGMENT ``sendmsg`` (GSO), up to 64 at a time.
 
