@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="control socket path (default <runtime dir>/<name>.sock)")
     p.add_argument("--mtu", type=int, help=f"UDP payload bytes per datagram (default {DEFAULT_MTU})")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
-    p.add_argument("--spin-us", type=float, help="idle spin before sleeping, microseconds (default 200)")
+    p.add_argument("--spin-us", type=float, help="idle spin before sleeping, microseconds (default 200); "
+                   "also bounds the yield after a message sent alone (0: neither)")
     p.add_argument("--cc", help="link congestion control: efe-host, efe, aimd or fixed (default efe-host: EFE tuned for host scheduling noise)")
     p.add_argument("--link", action="append", default=[], metavar="KEY=VALUE",
                    help="a transport.LinkConfig field, e.g. --link dead_peer_s=1.0 (repeatable)")

@@ -1051,7 +1051,7 @@ class Device:
         With the applications on the other side's daemons' vCPUs (``udpverbs
         perf --local`` places them so) the process next to us is the peer's
         application, and what it waits for is our datagram, placed by its
-        daemon about 5 µs from now.  Then it waited behind the rest of our
+        daemon about 5 µs from now.  It used to wait behind the rest of our
         pass (the link's record of the datagram, the WR's, the flush: 9 µs
         in one process) and behind the arming after it.  Its answer is a
         turn of its own and a pass of its daemon's away, time enough for our
