@@ -1051,13 +1051,14 @@ class Device:
         With the applications on the other side's daemons' vCPUs (``udpverbs
         perf --local`` places them so) the process next to us is the peer's
         application, and what it waits for is our datagram, placed by its
-        daemon about 5 µs from now.  It used to wait behind the rest of our
-        pass (the link's record of the datagram, the WR's, the flush: 9 µs
-        in one process) and behind the arming after it.  Its answer is a
+        daemon a few microseconds from now.  It used to wait behind the rest
+        of our pass (the link's record of the datagram, the WR's, the flush:
+        10 µs of a Write's 22 µs pass in one process) and behind the arming
+        after it.  Its answer is a
         turn of its own and a pass of its daemon's away, time enough for our
         bookkeeping; and the lane armed now is ready before that answer
         comes.  A turn in which the other process found nothing to do is
-        short, about 1.5 µs here for a spinning application, 3.5 µs for one
+        short, about 1.5 µs here for a spinning application, 3.4 µs for one
         polling a CQ in Python; the turn in which it took our data and
         answered is longer, and ends the hand-over.  So does a readable
         socket.  A yield that returns at once does not: the scheduler
