@@ -132,9 +132,16 @@ async def test_a_datagram_from_elsewhere_while_armed_is_judged_alone() -> None:
 
 
 async def test_an_armed_send_lands_in_its_receive_and_completes_it() -> None:
+    # The third receive is in another region than the second, which the
+    # lane was last armed for: the arming must follow the receive.
     async with connected() as (a, b):
-        for i in range(2):  # the first sets B's hint
-            b.post_recv(60 + i, 8192 + 64 * i, 64)
+        spare = b.dev.stags.lookup(b.spare_stag())
+        assert spare is not None
+        for i in range(3):  # the first sets B's hint
+            if i < 2:
+                b.post_recv(60 + i, 8192 + 64 * i, 64)
+            else:
+                b.post_recv(62, 128, 64, local=spare)
             a.mr.view[i:i + 5] = b"abcde"[i:] + b"!" * i
             a.post_write(10 + i, i, 5, b, 0, opcode=WrOpcode.IBV_WR_SEND)
             if i:
@@ -142,9 +149,10 @@ async def test_an_armed_send_lands_in_its_receive_and_completes_it() -> None:
                 assert b.dev._armed is not None
                 await _arrived(a, b)
             assert complete(a, b, 1) == [(10 + i, W.IBV_WC_SUCCESS)]
-        assert b.dev.stats["rx_armed"] >= 1
+        assert b.dev.stats["rx_armed"] == 2
         assert [bytes(b.mr.view[8192 + 64 * i:8197 + 64 * i]) for i in range(2)] == [b"abcde", b"bcde!"]
-        assert b.completions() == [(60, W.IBV_WC_SUCCESS), (61, W.IBV_WC_SUCCESS)]
+        assert bytes(spare.view[128:133]) == b"cde!!" and not any(b.mr.view[128:133])
+        assert b.completions() == [(60, W.IBV_WC_SUCCESS), (61, W.IBV_WC_SUCCESS), (62, W.IBV_WC_SUCCESS)]
 
 
 async def test_an_armed_read_response_completes_the_read() -> None:

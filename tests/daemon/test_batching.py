@@ -125,13 +125,16 @@ class Host:
         ring.push()
         ring.publish()
 
-    def post_recv(self, wr_id: int, off: int, length: int, qp: QueuePair | None = None) -> None:
-        """A receive of ``length`` bytes into our MR at ``off`` (``qp``: another of our QPs than QP 1)."""
+    def post_recv(self, wr_id: int, off: int, length: int, qp: QueuePair | None = None,
+                  local: tables.MemoryRegion | None = None) -> None:
+        """A receive of ``length`` bytes into our MR at ``off`` (``qp``: another of our QPs than QP 1;
+        ``local``: another region of ours than our MR, by its registration whatever has become of it since)."""
+        mr = local or self.mr
         rq = (qp or self.qp).recv_ring
         rq.prod = rq.hdr.producer
         at = rq.next_slot_offset()
         shm.RECV_WQE_HEAD.pack_into(rq.buf, at, wr_id, 1)
-        shm.SGE.pack_into(rq.buf, at + shm.RECV_WQE_SG_OFFSET, self.mr.addr + off, length, self.mr.stag)
+        shm.SGE.pack_into(rq.buf, at + shm.RECV_WQE_SG_OFFSET, mr.addr + off, length, mr.stag)
         rq.push()
         rq.publish()
 

@@ -695,6 +695,44 @@ async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool
         assert bytes(spare.view[100:102]) == (b"\0\0" if gone else b"hi")
 
 
+@pytest.mark.parametrize("side", ["receive", "send"])
+async def test_the_same_sge_posted_once_its_region_is_gone_fails(side: str) -> None:
+    # Applications post the same buffer over and over, and the daemon keeps
+    # the last one-SGE list of a WQE it resolved (``QueuePair._resolve``):
+    # only while the STag table stands still.  Once the region is
+    # invalidated (as deregistration starts), the same SGE posted again
+    # fails, on either side, and nothing lands in, or leaves from, the old
+    # region.
+    async with connected(Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)) as (a, b):
+        stag = b.spare_stag()
+        spare = b.dev.stags.lookup(stag)
+        assert spare is not None
+        spare.view[:2] = b"ok"
+        got: list[tuple[int, int]] = []
+        for round_ in range(2):
+            if round_:
+                b.dev.stags.invalidate(stag)
+            if side == "receive":
+                b.post_recv(70 + round_, 100, 64, local=spare)
+                a.mr.view[:2] = b"hi" if round_ == 0 else b"no"
+                a.post_write(round_, 0, 2, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+            else:
+                a.post_recv(70 + round_, 64 * round_, 64)
+                b.post_write(round_, 0, 2, a, 0, opcode=WrOpcode.IBV_WR_SEND, local=spare)
+            for _ in range(50):
+                a.dev.poll_once()
+                b.dev.poll_once()
+                got += b.completions()  # the receive's, or the Send's
+                if any(wr_id == (70 if side == "receive" else 0) + round_ for wr_id, _ in got):
+                    break
+        if side == "receive":
+            assert got == [(70, W.IBV_WC_SUCCESS), (71, W.IBV_WC_LOC_PROT_ERR)]
+            assert bytes(spare.view[100:102]) == b"hi"
+        else:
+            assert got == [(0, W.IBV_WC_SUCCESS), (1, W.IBV_WC_LOC_PROT_ERR)]
+            assert bytes(a.mr.view[0:2]) == b"ok" and not any(a.mr.view[64:128])
+
+
 async def test_a_batch_longer_than_a_lane_call_takes_is_taken_in_parts() -> None:
     # 70 Atomic Responses back to back, more than the 64 a lane call takes,
     # and a limit that would allow them all: one call takes 64 and leaves
