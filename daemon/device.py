@@ -1046,7 +1046,9 @@ class Device:
         """Right after ``pl``'s datagram left alone (``PeerLink.send_alone``),
         before this pass records it: arm the lane for the answer, then let
         the processes that share our vCPU run until one of them has done
-        some work, for at most ``hand_over_s``.
+        some work, or until ``hand_over_s`` has passed when a yield returns
+        (the scheduler decides when that is: a turn of a spinning
+        application's can run well past it, 15–23 µs in ``send_lat``).
 
         With the applications on the other side's daemons' vCPUs (``udpverbs
         perf --local`` places them so) the process next to us is the peer's
