@@ -651,13 +651,23 @@ def _packed(s: struct.Struct, *values: int) -> bytes:
         raise ValueError(str(e)) from None
 
 
+def _packed_into(s: struct.Struct, buf: bytearray | memoryview, offset: int, *values: int) -> int:
+    try:
+        s.pack_into(buf, offset, *values)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+    return s.size
+
+
 def encode_read_request(r: ReadRequest) -> bytes:
     """Return the 28-byte Read Request header (RFC 5040 §4.4).
 
     Raises:
         ValueError: a field is out of range.
     """
-    return _packed(_READ_REQUEST, *r)
+    buf = bytearray(READ_REQUEST_LEN)
+    pack_read_request_into(buf, 0, *r)
+    return bytes(buf)
 
 
 def pack_read_request_into(buf: bytearray | memoryview, offset: int, sink_stag: int, sink_to: int, size: int,
@@ -670,11 +680,7 @@ def pack_read_request_into(buf: bytearray | memoryview, offset: int, sink_stag: 
     Raises:
         ValueError: a field is out of range.
     """
-    try:
-        _READ_REQUEST.pack_into(buf, offset, sink_stag, sink_to, size, src_stag, src_to)
-    except struct.error as e:
-        raise ValueError(str(e)) from None
-    return READ_REQUEST_LEN
+    return _packed_into(_READ_REQUEST, buf, offset, sink_stag, sink_to, size, src_stag, src_to)
 
 
 def decode_read_request_untrusted(body: bytes | bytearray | memoryview) -> ReadRequest:
@@ -689,9 +695,9 @@ def encode_atomic_request(a: AtomicRequest) -> bytes:
     Raises:
         ValueError: unknown atomic operation or a field out of range.
     """
-    if a.aop not in _ATOMIC_OPS:
-        raise ValueError(f"unknown atomic operation {a.aop}")
-    return _packed(_ATOMIC_REQUEST, *a)
+    buf = bytearray(ATOMIC_REQUEST_LEN)
+    pack_atomic_request_into(buf, 0, *a)
+    return bytes(buf)
 
 
 def pack_atomic_request_into(buf: bytearray | memoryview, offset: int, aop: int, req_id: int, stag: int, to: int,
@@ -705,12 +711,8 @@ def pack_atomic_request_into(buf: bytearray | memoryview, offset: int, aop: int,
     """
     if aop not in _ATOMIC_OPS:
         raise ValueError(f"unknown atomic operation {aop}")
-    try:
-        _ATOMIC_REQUEST.pack_into(buf, offset, aop, req_id, stag, to, add_swap_data, add_swap_mask, compare_data,
-                                  compare_mask)
-    except struct.error as e:
-        raise ValueError(str(e)) from None
-    return ATOMIC_REQUEST_LEN
+    return _packed_into(_ATOMIC_REQUEST, buf, offset, aop, req_id, stag, to, add_swap_data, add_swap_mask,
+                        compare_data, compare_mask)
 
 
 def decode_atomic_request_untrusted(body: bytes | bytearray | memoryview) -> AtomicRequest:
