@@ -1609,15 +1609,24 @@ class Device:
         posts its answer while this pass goes on with the ACK the message
         carried, the links' timers and the completions; the pass looks here
         between those steps, and at its end for an answer posted after the
-        SQ watch.  Only a watched QP (nothing of it pending) on a link where
-        no other QP waits its turn: anything else keeps its order.
+        SQ watch.  Only a QP on a link where no other QP waits its turn
+        (anything else keeps its order), and either watched (nothing of it
+        pending) or due a visit this pass for what was just delivered to
+        it (a Send leaves it owing a Modified ACK, a response completed a
+        Read or an atomic) with at most one WR outstanding, a ping-pong's:
+        the answer carries that ACK.  A stream's QP (an ORD window of
+        atomics) keeps its new WQEs for the pump, after the completions:
+        taken here they split the pass's batch (``atomic_bw`` 56,600 →
+        53,000 operations/s).
         """
         sq = qp.sq
         if sq.hdr.producer == sq.cons:
             return False
         pl = qp.link
-        if pl is not None and not pl.ready and qp.state == _RTS and qp in self._sq_watch:
+        if pl is not None and not pl.ready and qp.state == _RTS and (
+                qp in self._sq_watch or qp in self._to_pump and len(qp.outstanding) <= 1):
             self._sq_watch.discard(qp)
+            self._to_pump.pop(qp, None)
             self.stats["answered_early"] += 1
             self._pump(qp)
             self._settle(qp)

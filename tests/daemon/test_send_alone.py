@@ -139,8 +139,10 @@ async def test_a_long_turn_sends_what_it_has_every_32_work_requests(opcode: WrOp
 
 
 async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool = False,
-                                      opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE) -> list[str]:
-    """a Writes (or Sends, ``opcode``) to b; b's application posts its answering Write the moment
+                                      opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE,
+                                      answer_opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE) -> list[str]:
+    """a Writes (or Sends, ``opcode``) to b; b's application posts its answering Write (or
+    ``answer_opcode``) the moment
     b's pass has placed the data (while the pass goes on with the link's
     accounting of it), or (``late``) only once the pass is past its SQ
     watch, flushing its links.  Returns what that pass of b's did, in
@@ -153,7 +155,7 @@ async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool =
     accounted, deadline, flush = link.data_run_received, link.next_deadline, b.dev.flush_link
 
     def answer() -> None:
-        b.post_write(wr_id, 0, 8, a, 256, inline=True)  # the application reacts
+        b.post_write(wr_id, 0, 8, a, 256, inline=True, opcode=answer_opcode)  # the application reacts
         posted.append(True)
 
     def data_run_received(*args: object) -> None:
@@ -221,25 +223,61 @@ async def test_an_answer_posted_while_the_pass_goes_on_leaves_before_the_upkeep(
         assert b.dev.dump_stats().get("link_retransmits", 0) == 0
 
 
-async def test_an_answer_to_a_send_waits_for_the_pump() -> None:
-    # A Send leaves its QP owing a Modified ACK: the QP is not idle, so its
-    # answer is not taken early but when the pass pumps its QPs, and it
-    # still leaves in that pass.
+def _first_send(a: Host, b: Host, receives: int) -> None:
+    """Inline posts on both sides; b posts ``receives`` receives (wr_id 50…) and a's first
+    Send lands in the first of them, which sets b's hint for the compiled lane."""
+    for h in (a, b):
+        h.qp.caps["max_inline_data"] = 64
+    a.mr.view[0:8] = b"pingpong"
+    for i in range(receives):
+        b.post_recv(50 + i, 8192 + 64 * i, 64)
+    a.post_write(1, 0, 8, b, 0, inline=True, opcode=WrOpcode.IBV_WR_SEND)
+    assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
+    assert b.completions() == [(50, W.IBV_WC_SUCCESS)]
+
+
+async def test_an_answer_to_a_send_is_taken_early_and_carries_the_modified_ack() -> None:
+    # send_lat's server: a Send leaves its QP owing a Modified ACK, so the
+    # pass will visit the QP anyway; with one WR outstanding at most (a
+    # ping-pong's) its answering Send is still taken between the pass's
+    # steps, and the flow ACK rides on it.
     async with connected() as (a, b):
-        for h in (a, b):
-            h.qp.caps["max_inline_data"] = 64
-        a.mr.view[0:8], b.mr.view[0:8] = b"pingpong", b"pongping"
-        for i in range(3):
-            b.post_recv(50 + i, 8192 + 64 * i, 64)
-        a.post_write(1, 0, 8, b, 0, inline=True, opcode=WrOpcode.IBV_WR_SEND)  # sets b's hint
-        assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
-        assert b.completions() == [(50, W.IBV_WC_SUCCESS)]
+        _first_send(a, b, 3)
+        b.mr.view[0:8] = b"pongping"
         for i in range(2):
-            events = await _a_write_b_answers_mid_pass(a, b, 10 + i, opcode=WrOpcode.IBV_WR_SEND)
-            assert "answer" in events and b.dev.stats["answered_early"] == 0
+            a.post_recv(60 + i, 4096 + 64 * i, 64)
+        for i in range(2):
+            early, carried = b.dev.stats["answered_early"], b.dev.stats["flow_ack_carried"]
+            events = await _a_write_b_answers_mid_pass(a, b, 10 + i, opcode=WrOpcode.IBV_WR_SEND,
+                                                       answer_opcode=WrOpcode.IBV_WR_SEND)
+            assert events[:2] == ["answer", "upkeep"], i
+            assert b.dev.stats["answered_early"] == early + 1
+            assert b.dev.stats["flow_ack_carried"] == carried + 1
             # b's CQ: the Send's receive, then its answer's completion
             assert complete(b, a, 2) == [(51 + i, W.IBV_WC_SUCCESS), (10 + i, W.IBV_WC_SUCCESS)]
-        assert bytes(a.mr.view[256:264]) == b"pongping" and bytes(b.mr.view[8256:8264]) == b"pingpong"
+            # a's: its Send, Modified-ACKed by the answer, and the answer's receive
+            assert sorted(a.completions()) == [(10 + i, W.IBV_WC_SUCCESS), (60 + i, W.IBV_WC_SUCCESS)]
+        assert bytes(a.mr.view[4096 + 64:4104 + 64]) == b"pongping"
+        assert bytes(b.mr.view[8256:8264]) == b"pingpong"
+
+
+async def test_a_streaming_qps_next_wqes_wait_for_the_pump() -> None:
+    # With more WRs outstanding than a ping-pong's one, a QP that the pass
+    # visits anyway keeps its new WQEs for the pump, after the pass's
+    # completions; the answer still leaves in that pass.
+    async with connected() as (a, b):
+        _first_send(a, b, 2)
+        b.mr.view[0:16] = b"pongpingpingpong"
+        b.post_write(30, 0, 8, a, 512)
+        b.post_write(31, 8, 8, a, 520)
+        b.dev.poll_once()  # both leave; a has not acknowledged them yet
+        assert len(b.qp.outstanding) == 2
+        early = b.dev.stats["answered_early"]
+        events = await _a_write_b_answers_mid_pass(a, b, 12, opcode=WrOpcode.IBV_WR_SEND)
+        assert "answer" in events and b.dev.stats["answered_early"] == early
+        assert sorted(complete(b, a, 4)) == [(12, W.IBV_WC_SUCCESS), (30, W.IBV_WC_SUCCESS),
+                                             (31, W.IBV_WC_SUCCESS), (51, W.IBV_WC_SUCCESS)]
+        assert bytes(a.mr.view[512:528]) == b"pongpingpingpong"
 
 
 async def test_an_answer_does_not_pass_a_qp_waiting_its_turn() -> None:
