@@ -141,11 +141,11 @@ async def test_a_long_turn_sends_what_it_has_every_32_work_requests(opcode: WrOp
 async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool = False,
                                       opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE,
                                       answer_opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE) -> list[str]:
-    """a Writes (or Sends, ``opcode``) to b; b's application posts its answering Write (or
-    ``answer_opcode``) the moment
-    b's pass has placed the data (while the pass goes on with the link's
-    accounting of it), or (``late``) only once the pass is past its SQ
-    watch, flushing its links.  Returns what that pass of b's did, in
+    """a Writes (or Sends, ``opcode``) to b; b's application posts its answer
+    (a Write, or ``answer_opcode``) the moment b's pass has placed the data
+    (while the pass goes on with the link's accounting of it), or
+    (``late``) only once the pass is past its SQ watch, flushing its
+    links.  Returns what that pass of b's did, in
     order: "answer" (the answer's datagram left) and "upkeep" (the links'
     timers were looked at)."""
     events: list[str] = []
