@@ -149,6 +149,15 @@ _OP_READ_RESPONSE = int(Opcode.RDMA_READ_RESPONSE)
 _OP_READ_REQUEST = int(Opcode.RDMA_READ_REQUEST)
 _OP_ATOMIC_REQUEST = int(Opcode.ATOMIC_REQUEST)
 
+
+def _send_rdmap(opcode: int, flags: int, imm: int) -> tuple[int, int]:
+    """The RDMAP opcode of a one-message Send WR (IBV_WR_SEND, or
+    IBV_WR_SEND_WITH_INV with the STag in ``imm``) and the STag it
+    invalidates (0: none)."""
+    inv = opcode == _WR_SEND_WITH_INV
+    return _SEND_OPCODE[inv, bool(flags & _SEND_SOLICITED)], imm if inv else 0
+
+
 # tables check codes -> (Terminate error code, requester WC status)
 _TERM_CODE = {
     tables.INVALID_STAG: rdmap.RdmapErrorCode.INVALID_STAG,
@@ -722,6 +731,7 @@ class QueuePair:
         status = _WC_SUCCESS
         gather = None
         msg = None  # a one-segment RDMA Write's or Send's segment, built here (see below)
+        send_op = inv_stag = 0  # such a Send's RDMAP opcode and the STag it invalidates
         if opcode not in _SUPPORTED_WR:
             status = W.IBV_WC_LOC_QP_OP_ERR
         elif flags & _SEND_INLINE and not reads_remote:
@@ -734,7 +744,8 @@ class QueuePair:
                 msg[_TAGGED_PREFIX:] = buf[at + _SG_OFFSET:at + _SG_OFFSET + n]
             elif opcode in _ONE_MESSAGE_SEND and n <= self.link.max_data - _UNTAGGED_EXTRA \
                     and self.q0_cursor == len(self.q0):  # type: ignore[union-attr]
-                msg = self._send_segment(opcode, flags, imm, n)
+                send_op, inv_stag = _send_rdmap(opcode, flags, imm)
+                msg = self._send_segment(send_op, inv_stag, n)
                 msg[_UNTAGGED_PREFIX:_UNTAGGED_PREFIX + n] = buf[at + _SG_OFFSET:at + _SG_OFFSET + n]
             else:
                 data = bytes(buf[at + _SG_OFFSET:at + _SG_OFFSET + n])
@@ -755,7 +766,8 @@ class QueuePair:
                 gather.copy_out(msg, _TAGGED_PREFIX, gather.total)
             elif (opcode in _ONE_MESSAGE_SEND and self.q0_cursor == len(self.q0)
                     and gather.total <= self.link.max_data - _UNTAGGED_EXTRA):  # type: ignore[union-attr]
-                msg = self._send_segment(opcode, flags, imm, gather.total)
+                send_op, inv_stag = _send_rdmap(opcode, flags, imm)
+                msg = self._send_segment(send_op, inv_stag, gather.total)
                 gather.copy_out(msg, _UNTAGGED_PREFIX, gather.total)
         if msg is not None:
             # A one-segment RDMA Write or Send: queued (or sent) now, with no
@@ -776,11 +788,9 @@ class QueuePair:
             wr = OutWR(wr_id, _WC_SEND, signaled, n)
             self._taken(wr, rkey, raddr)
             # kept until the Modified ACK: an RNR NACK has it sent again
-            inv = opcode == _WR_SEND_WITH_INV
             if gather is None:  # inline: the bytes that left
                 gather = _Gather([(memoryview(msg), _UNTAGGED_PREFIX, n)])
-            m = _Q0Msg(self.send_msn, wr, gather,
-                       _SEND_OPCODE[inv, bool(flags & _SEND_SOLICITED)], imm if inv else 0)
+            m = _Q0Msg(self.send_msn, wr, gather, send_op, inv_stag)
             m.sent = n
             self._queue_q0(m)
             self.q0_cursor += 1
@@ -837,14 +847,12 @@ class QueuePair:
         self._tagged_packer()(msg, True, rkey, raddr)
         return msg
 
-    def _send_segment(self, opcode: int, flags: int, imm: int, n: int) -> bytearray:
-        """The only segment of a Send (``opcode``: IBV_WR_SEND or
-        IBV_WR_SEND_WITH_INV, the STag to invalidate in ``imm``) of ``n``
-        bytes, MSN ``send_msn``, its header packed; the caller copies the
-        payload in."""
-        inv = opcode == _WR_SEND_WITH_INV
-        return self._q0_segment(_SEND_OPCODE[inv, bool(flags & _SEND_SOLICITED)], True, self.send_msn, 0,
-                                imm if inv else 0, 0, n, self.link.max_data - _UNTAGGED_EXTRA)  # type: ignore[union-attr]
+    def _send_segment(self, send_op: int, inv_stag: int, n: int) -> bytearray:
+        """The only segment of a Send (RDMAP ``send_op``, ``_send_rdmap``'s)
+        of ``n`` bytes, MSN ``send_msn``, its header packed; the caller
+        copies the payload in."""
+        return self._q0_segment(send_op, True, self.send_msn, 0, inv_stag, 0, n,
+                                self.link.max_data - _UNTAGGED_EXTRA)  # type: ignore[union-attr]
 
     def _q0_segment(self, opcode: int, last: bool, msn: int, mo: int, inv_stag: int, flags: int, n: int,
                     max_data: int) -> bytearray:
