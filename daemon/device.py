@@ -299,6 +299,14 @@ class SQWatch:
         return found
 
 
+def _no_run(pl: "PeerLink", drop: bool) -> None:
+    """``Device._run_setup``'s answer when the hint no longer holds: it is
+    dropped (unless ``drop`` is False: an arming leaves it for the pass
+    that reads), and there is no run."""
+    if drop:
+        pl.rx_hint = None
+
+
 class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
@@ -1056,10 +1064,9 @@ class Device:
         daemon a few microseconds from now.  It used to wait behind the rest
         of our pass (the link's record of the datagram, the WR's, the flush:
         10 µs of a Write's 22 µs pass in one process) and behind the arming
-        after it.  Its answer is a
-        turn of its own and a pass of its daemon's away, time enough for our
-        bookkeeping; and the lane armed now is ready before that answer
-        comes.  A turn in which the other process found nothing to do is
+        after it.  Its answer is a turn of its own and a pass of its
+        daemon's away, time enough for our bookkeeping; and the lane armed
+        now is ready before that answer comes.  A turn in which the other process found nothing to do is
         short, about 1.5 µs here for a spinning application, 3.4 µs for one
         polling a CQ in Python; the turn in which it took our data and
         answered is longer, and ends the hand-over.  So does a readable
@@ -1245,17 +1252,13 @@ class Device:
         hint = pl.rx_hint
         qp, stag, op = hint  # type: ignore[misc]
         if qp.state not in _RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
-            if drop:
-                pl.rx_hint = None
-            return None
+            return _no_run(pl, drop)
         r = self._rx_run
         request = recv = rd = msn = None
         if op == _OP_WRITE:
             mr = self.stags.lookup(stag)
             if mr is None or mr.pd is not qp.pd or not mr.access & _REMOTE_WRITE:
-                if drop:
-                    pl.rx_hint = None
-                return None
+                return _no_run(pl, drop)
             view, start = mr.view, 0
             key: Any = (hint, mr, qp.dest_qpn)
             if self._rx_run_key != key:
@@ -1273,9 +1276,7 @@ class Device:
             recv = None if qp.rx_imm_pending or qp.rx_rnr else qp.rx_recv or qp.peek_receive()
             gather = None if recv is None else recv[1]
             if gather is None or len(gather.pieces) != 1:
-                if drop:
-                    pl.rx_hint = None
-                return None
+                return _no_run(pl, drop)
             view, start, length = gather.pieces[0]
             key = (hint, qp.dest_qpn)
             if self._rx_run_key != key:
@@ -1309,9 +1310,7 @@ class Device:
                 # hint's (the Read before it).
                 rd = qp.orrq[0] if qp.orrq else None
                 if type(rd) is not _PendingRead or len(rd.gather.pieces) != 1:
-                    if drop:
-                        pl.rx_hint = None
-                    return None
+                    return _no_run(pl, drop)
                 stag = rd.wr.sink_stag
                 view, start, _ = rd.gather.pieces[0]
                 r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
