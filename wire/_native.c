@@ -51,6 +51,7 @@ static uint32_t crc32c_sw(uint32_t crc, const uint8_t *p, size_t n) {
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
 #include <nmmintrin.h>
 #define HAVE_HW_CRC 1
 /* One crc32 instruction has a latency of 3 cycles and a throughput of 1, so
@@ -118,16 +119,120 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
     while (n--) c32 = _mm_crc32_u8(c32, *p++);
     return ~c32;
 }
-static int hw_crc = -1;
+
+/* Long inputs on CPUs with AVX-512 carry-less multiplication: fold 64-byte
+   blocks instead of feeding every 8 bytes through the crc32 instruction.
+   A 16-byte chunk X = L.x^64 + H (L its first 8 bytes; bytes are reflected,
+   the first bit the highest power) moved D bits further down the input is
+   X.x^D = L.x^(64+D) + H.x^D, and with the powers reduced mod P that is two
+   carry-less products of 64 x 32 bits, small enough for a 16-byte chunk
+   again: XORed into the chunk that sits there, the input stays congruent
+   mod P. A reflected product comes out multiplied by x once more, so the
+   constants are x^(63+D) and x^(D-1) mod P, each in the upper half of its
+   64-bit lane. Four 64-byte accumulators run side by side (the products'
+   latency), then fold into one 16-byte chunk, which the crc32 instruction
+   reduces as if it were the input's last 16 bytes. A 64 KB datagram: 0.7
+   µs, against 2.1 in three streams (called from Python, 2026-11-25). */
+enum { FOLD_MIN = 256 };
+static __m128i fold_k[5]; /* D = 128, 256, 384, 512, 2048 bits: [0..3] at D/128 - 1, [4] the loop's */
+static int fold_ready;
+
+static uint32_t xpow_mod(unsigned n) { /* x^n mod P as a CRC register (bit 0 holds x^31) */
+    uint32_t r = 0x80000000u;
+    while (n--) r = r & 1 ? (r >> 1) ^ 0x82F63B78u : r >> 1;
+    return r;
+}
+
+static __m128i fold_const(unsigned d) {
+    return _mm_set_epi64x((long long)((uint64_t)xpow_mod(d - 1) << 32), (long long)((uint64_t)xpow_mod(63 + d) << 32));
+}
+
+static void fold_init(void) {
+    for (unsigned i = 0; i < 4; i++) fold_k[i] = fold_const(128 * (i + 1));
+    fold_k[4] = fold_const(2048);
+    fold_ready = 1;
+}
+
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul"))) static inline __m512i fold512(__m512i x, __m512i k,
+                                                                                             __m512i next) {
+    /* x.lo * k.lo ^ x.hi * k.hi ^ next, lane by lane (0x96: a ^ b ^ c) */
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
+                                     next, 0x96);
+}
+
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc32c_fold(uint32_t crc,
+                                                                                                const uint8_t *p,
+                                                                                                size_t n) {
+    if (!fold_ready) fold_init();
+    __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64), a2 = _mm512_loadu_si512(p + 128),
+            a3 = _mm512_loadu_si512(p + 192);
+    a0 = _mm512_xor_si512(a0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)~crc)));  /* the initial register */
+    p += 256;
+    n -= 256;
+    __m512i k = _mm512_broadcast_i32x4(fold_k[4]);
+    for (; n >= 256; p += 256, n -= 256) {
+        a0 = fold512(a0, k, _mm512_loadu_si512(p));
+        a1 = fold512(a1, k, _mm512_loadu_si512(p + 64));
+        a2 = fold512(a2, k, _mm512_loadu_si512(p + 128));
+        a3 = fold512(a3, k, _mm512_loadu_si512(p + 192));
+    }
+    k = _mm512_broadcast_i32x4(fold_k[3]); /* 64 bytes on */
+    a0 = fold512(a0, k, a1);
+    a0 = fold512(a0, k, a2);
+    a0 = fold512(a0, k, a3);
+    for (; n >= 64; p += 64, n -= 64) a0 = fold512(a0, k, _mm512_loadu_si512(p));
+    /* the four 16-byte chunks onto the last one: 48, 32 and 16 bytes on */
+    __m512i kk = _mm512_inserti32x4(
+        _mm512_inserti32x4(_mm512_inserti32x4(_mm512_setzero_si512(), fold_k[2], 0), fold_k[1], 1), fold_k[0], 2);
+    __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(a0, kk, 0x00), _mm512_clmulepi64_epi128(a0, kk, 0x11));
+    __m128i x = _mm_xor_si128(_mm_xor_si128(_mm512_extracti32x4_epi32(t, 0), _mm512_extracti32x4_epi32(t, 1)),
+                              _mm_xor_si128(_mm512_extracti32x4_epi32(t, 2), _mm512_extracti32x4_epi32(a0, 3)));
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+    }
+    uint32_t c32 = (uint32_t)c;
+    while (n--) c32 = _mm_crc32_u8(c32, *p++);
+    return ~c32;
+}
 #endif
 
-uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n) {
+/* The best implementation this CPU has: 0 tables, 1 the crc32 instruction,
+   2 the folding above. */
+static int crc_best(void) {
 #ifdef HAVE_HW_CRC
-    if (hw_crc < 0) {
-        __builtin_cpu_init();
-        hw_crc = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-    }
-    if (hw_crc) return crc32c_hw(crc, p, n);
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("sse4.2")) return 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("vpclmulqdq") &&
+        __builtin_cpu_supports("pclmul"))
+        return 2;
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int crc_level = -1;
+
+/* Use implementation `level` (at most the best there is; < 0: no change);
+   returns the one in use. Only the tests call it: each must agree with
+   the others on every input. */
+int udpv_crc32c_level(int level) {
+    int best = crc_best();
+    if (level >= 0) crc_level = level < best ? level : best;
+    else if (crc_level < 0) crc_level = best;
+    return crc_level;
+}
+
+uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n) {
+    if (crc_level < 0) udpv_crc32c_level(-1);
+#ifdef HAVE_HW_CRC
+    if (crc_level == 2 && n >= FOLD_MIN) return crc32c_fold(crc, p, n);
+    if (crc_level) return crc32c_hw(crc, p, n);
 #endif
     if (!crc_ready) crc_init();
     return crc32c_sw(crc, p, n);

@@ -135,6 +135,7 @@ typedef struct {
 
 size_t udpv_tx_frame_slots(const udpv_tx_frame *f, uint8_t *out, size_t k, size_t stride, size_t last_len);
 uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n);
+int udpv_crc32c_level(int level);
 
 typedef struct {
     int fd;

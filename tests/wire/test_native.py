@@ -368,16 +368,32 @@ def test_an_atomic_response_the_lane_does_not_take_stays_out(spoil: str) -> None
     assert k == 0 and r.ended == 0 and not any(mem)
 
 
-def test_crc32c_matches_the_crc32c_package() -> None:
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_crc32c_matches_the_crc32c_package(level: int) -> None:
+    """Each implementation the CPU has (tables, the crc32 instruction in
+    three streams, 64-byte folding) against the package, at the lengths
+    where their loops hand over."""
     from crc32c import crc32c
 
     assert mod is not None
+    best = mod.lib.udpv_crc32c_level(-1)
+    if level > best:
+        pytest.skip(f"this CPU has CRC32c implementations up to {best}")
     rng = random.Random(5)
-    # around both interleaving thresholds (3 × 480, 3 × 2048) and a 1472-byte datagram's body
-    for n in [0, 1, 7, 8, 9, 1439, 1440, 1441, 1468, 2887, 6143, 6144, 6145, 7584, 7585, 12_289, 65_503, 200_000]:
-        data = rng.randbytes(n)
-        for start in (0, 0xDEADBEEF):
-            assert mod.lib.udpv_crc32c(start, data, n) == crc32c(data, start), n
+    # around the three-stream thresholds (3 × 480, 3 × 2048), a 1472-byte
+    # datagram's body, the folding's start (256) and its 256- and 64-byte loops
+    lengths = [0, 1, 7, 8, 9, 63, 255, 256, 257, 263, 319, 320, 321, 383, 511, 512, 513, 575, 767, 1439, 1440, 1441,
+               1468, 2887, 6143, 6144, 6145, 7584, 7585, 12_289, 65_503, 200_000]
+    try:
+        assert mod.lib.udpv_crc32c_level(level) == level
+        for n in lengths:
+            data = rng.randbytes(n + 3)
+            p = mod.ffi.from_buffer("uint8_t[]", data)
+            for at in (0, 3):  # unaligned too: the loops load without alignment
+                for start in (0, 0xDEADBEEF):
+                    assert mod.lib.udpv_crc32c(start, p + at, n) == crc32c(data[at:at + n], start), (n, at)
+    finally:
+        mod.lib.udpv_crc32c_level(best)
 
 
 # -- the send lane: the same bytes as the Python encoders ---------------------
