@@ -257,9 +257,9 @@ class Link:
         self.config = config
         self._framer = framer
         self._frame = framer.ffi.new("udpv_tx_frame *") if framer is not None else None
-        # (first n, end n, buffer, stride, last length) of each send_run()
+        # (first n, end n, buffer, stride, last length, built) of each send_run()
         # batch not yet wholly transmitted, oldest first
-        self._runs: deque[tuple[int, int, bytearray, int, int]] = deque()
+        self._runs: deque[tuple[int, int, bytearray | memoryview, int, int, int]] = deque()
         self.framed_datagrams = 0  # DATA packets the framer built (not a LinkStats field: the bytes are the same)
         self.incarnation = incarnation
         self.path_id = path_id
@@ -840,7 +840,8 @@ class Link:
             self._poor_carrier = True
         return n
 
-    def send_run(self, buf: bytearray, stride: int, count: int, last_len: int, ack_carrier: bool = True) -> int:
+    def send_run(self, buf: bytearray | memoryview, stride: int, count: int, last_len: int, ack_carrier: bool = True,
+                 built: int = 0) -> int:
         """Queue ``count`` messages held in ``buf``, ``stride`` bytes long, the
         last ``last_len``, each in the place its packet will have
         (:func:`run_slots`); return the first one's number.
@@ -851,6 +852,10 @@ class Link:
         compiled call when they leave in order, and sends that part of
         ``buf``: the payload is copied once on its way from the caller to
         the socket.
+
+        ``built``: the messages' DDP header length if the framer's
+        ``udpv_tx_bodies`` built them in place (a long payload's CRC register
+        then waits in its packet's CRC field), else 0.
 
         Raises:
             ValueError: a message longer than ``config.max_payload``.
@@ -868,7 +873,7 @@ class Link:
         if not ack_carrier:
             self._poor_carrier = True
         if self._framer is not None:
-            self._runs.append((n0, n0 + count, buf, stride, last_len))
+            self._runs.append((n0, n0 + count, buf, stride, last_len, built))
         return n0
 
     def frame_alone(self, message: bytes | bytearray, now: float, ack_now: bool = True) -> bytes | None:
@@ -1091,15 +1096,15 @@ class Link:
         stats.datagrams_sent += len(out)
         return out
 
-    def _frame_run(self, out: list[Any], run: tuple[int, int, bytearray, int, int], n: int, limit: int,
-                   now: float, clock: Any, ack: int, rwnd: int) -> tuple[int, int]:
+    def _frame_run(self, out: list[Any], run: tuple[int, int, bytearray | memoryview, int, int, int], n: int,
+                   limit: int, now: float, clock: Any, ack: int, rwnd: int) -> tuple[int, int]:
         """First transmission of messages ``n``, ``n + 1``, ... of ``run``: as
         many as the window and the pacer let ``bursts_to_send``'s loop send,
         framed in one compiled call into one :class:`Burst` (the same bytes
         as that loop's, a clock read once for the whole run).  Returns how
         many and their bytes; 0 messages: the loop's own code decides what
         holds message ``n`` back."""
-        n0, end, buf, stride, last_len = run
+        n0, end, buf, stride, last_len, built = run
         if end > limit:
             end = limit
         rec = self.recovery
@@ -1143,6 +1148,7 @@ class Link:
         # ACK_NOW on the last message queued (as the loop sets it)
         f.flag_at = self._next_n - 1 - n
         f.flag = _ACK_NOW if self._want_ack_now else 0
+        f.prefix = built
         if n + k >= self._next_n:
             self._want_ack_now = False
         ffi = self._framer.ffi

@@ -131,9 +131,11 @@ typedef struct {
     uint32_t path_id, conn_tag, seq, ack, ts, echo, rwnd;
     size_t flag_at;
     uint32_t flag;
+    uint32_t prefix;
+    uint32_t pow_len[2], pow_k[2];
 } udpv_tx_frame;
 
-size_t udpv_tx_frame_slots(const udpv_tx_frame *f, uint8_t *out, size_t k, size_t stride, size_t last_len);
+size_t udpv_tx_frame_slots(udpv_tx_frame *f, uint8_t *out, size_t k, size_t stride, size_t last_len);
 uint32_t udpv_crc32c(uint32_t crc, const uint8_t *p, size_t n);
 int udpv_crc32c_level(int level);
 

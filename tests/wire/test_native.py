@@ -407,10 +407,26 @@ _SEND_OPCODES = [Opcode.SEND, Opcode.SEND_SE, Opcode.SEND_INVALIDATE, Opcode.SEN
        dst=st.integers(0, segment.MAX_QPN), src=st.integers(0, segment.MAX_QPN), stag=st.integers(0, 2**32 - 1),
        to=st.integers(0, 2**64 - 1), seq=st.integers(0, 2**32 - 1), flag_at=st.integers(0, 8),
        fields=st.tuples(*[st.integers(0, 2**32 - 1)] * 4, st.integers(0, 0xFFFF), st.integers(0, 255)),
-       env_flags=st.integers(0, 1), seed=st.integers(0, 2**32))
+       env_flags=st.integers(0, 1), seed=st.integers(0, 2**32), level=st.sampled_from([1, 2]))
 def test_the_send_lane_builds_what_the_python_encoders_build(
         opcode: int, k: int, max_data: int, last_len: int, ends: bool, dst: int, src: int, stag: int, to: int,
-        seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int) -> None:
+        seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int, level: int) -> None:
+    """At CRC level 2 (where the CPU has it) a payload of 256 bytes or more
+    is copied and run through the CRC in one pass, and the framer moves the
+    headers' CRC register past it; at level 1 the framer reads the packet."""
+    assert mod is not None
+    lib = mod.lib
+    best = lib.udpv_crc32c_level(-1)
+    lib.udpv_crc32c_level(level)
+    try:
+        _check_send_lane(opcode, k, max_data, last_len, ends, dst, src, stag, to, seq, flag_at, fields, env_flags,
+                         seed)
+    finally:
+        lib.udpv_crc32c_level(best)
+
+
+def _check_send_lane(opcode: int, k: int, max_data: int, last_len: int, ends: bool, dst: int, src: int, stag: int,
+                     to: int, seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int) -> None:
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     last_len = min(last_len, max_data)
@@ -458,6 +474,7 @@ def test_the_send_lane_builds_what_the_python_encoders_build(
     # as the daemon sends them: each body built where its packet will be
     # (Link.send_run's layout), then the headers and CRCs written around
     # them; the spoiled bytes in between must all be overwritten
+    f.prefix = prefix  # built by udpv_tx_bodies: long payloads' CRC registers wait in the CRC fields
     head, slot = run_slots(stride)
     assert slot == stride + link.OVERHEAD
     out = bytearray(b"\xee" * sum(map(len, packets)))
