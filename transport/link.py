@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -230,6 +231,42 @@ def one_per_datagram(out: list[Any]) -> list[bytes | memoryview]:
         else:
             flat.append(d)
     return flat
+
+
+def _admit(m: int, full: int, tail: int, cwnd: float, inflight: int, rate: float, nxt: float, floor: float,
+           now: float) -> tuple[int, float, int]:
+    """How many of ``m`` packets of ``full`` bytes, the last ``tail``, the
+    send loop would admit now, the pacer's next time after them, and their
+    bytes: the loop's admission test and ``Pacer.on_sent``, packet by
+    packet, with the same float operations in the same order (the pacer's
+    state must not depend on which path sent), but only those that can
+    change.  Packet i is checked with i full packets in flight before it
+    (only the last may be shorter, and its size counts after its own
+    check), so the window's count is worked out once; past the first
+    packet the pacer's next time is above ``floor``, the credit cap, so
+    each packet just adds full / rate."""
+    if now < nxt or inflight >= cwnd:
+        return 0, nxt, 0
+    k = math.ceil((cwnd - inflight) / full)  # then exact, in integers against cwnd
+    while k > 1 and inflight + (k - 1) * full >= cwnd:
+        k -= 1
+    while k < m and inflight + k * full < cwnd:
+        k += 1
+    if k > m:
+        k = m
+    if rate != INF:
+        last = m - 1
+        nxt = (nxt if nxt > floor else floor) + (tail if last == 0 else full) / rate
+        allowed, k = k, 1
+        step = full / rate
+        stop = allowed if allowed < last else last
+        while k < stop and now >= nxt:
+            nxt += step
+            k += 1
+        if k == last < allowed and now >= nxt:
+            nxt += tail / rate
+            k += 1
+    return k, nxt, (k - 1) * full + tail if k == m else k * full
 
 
 def run_slots(stride: int) -> tuple[int, int]:
@@ -1112,25 +1149,10 @@ class Link:
         overhead = wl.OVERHEAD
         full = stride + overhead
         tail = last_len + overhead if end == run[1] else full  # the batch's last message may be shorter
-        # The loop's admission test and pacer.on_sent, packet by packet, on
-        # local numbers (the same float operations in the same order).
-        cwnd = self.cc.cwnd_bytes
-        inflight = rec.bytes_in_flight
-        rate = pacer.rate_Bps
-        nxt = pacer.next_send_s
-        floor = pacer.floor(now) if rate != INF else 0.0
-        k = 0
-        total = 0
         m = end - n
-        while k < m:
-            if inflight >= cwnd or now < nxt:
-                break
-            size = tail if k == m - 1 else full
-            inflight += size
-            total += size
-            if rate != INF:
-                nxt = (nxt if nxt > floor else floor) + size / rate
-            k += 1
+        rate = pacer.rate_Bps
+        k, nxt, total = _admit(m, full, tail, self.cc.cwnd_bytes, rec.bytes_in_flight, rate, pacer.next_send_s,
+                               pacer.floor(now) if rate != INF else 0.0, now)
         if not k:
             return 0, 0
         pacer.next_send_s = nxt
