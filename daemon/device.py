@@ -451,7 +451,16 @@ class PeerLink:
                                           slot)
         finally:
             ffi.release(mem)  # no export may outlive the call: deregistration releases the view
+        # A whole message on a link with nothing queued or unacknowledged (a
+        # ping-pong's, of several datagrams) leaves now and the vCPU is handed
+        # over, as a message of one datagram does (send_alone), instead of at
+        # the pass's flush: 2 KiB write_lat 52 -> 44 µs.  In a stream
+        # something is always in flight, and the flush sends runs together.
+        alone = ends and dev.run_at_once and self.link.quiet()
         n = self.link.send_run(memoryview(ffi.buffer(dst)), stride, count, prefix + last_len, built=prefix)
+        if alone and dev.sock is not None and dev.flush_link(self, dev._clock()):
+            dev.stats["tx_run_alone"] += 1
+            dev._hand_over(self)
         return n + count - 1
 
 
@@ -573,6 +582,11 @@ class Device:
         # The Python path answers when the pass pumps, so tests that compare
         # the two datagram for datagram turn this off.
         self.answer_at_once = True
+        # Send a run of segments the compiled lane built on a quiet link (a
+        # ping-pong's) when it is queued (``PeerLink._send_segments``).  The
+        # Python path queues segments one by one and sends them at the pass's
+        # flush; the same tests turn this off.
+        self.run_at_once = True
         # UDPVERBS_CHECK_PASSES=1 (the test suite sets it): check after every
         # pass that no QP it left out had work (``check_pass``)
         self.check_passes = os.environ.get("UDPVERBS_CHECK_PASSES", "") not in ("", "0")
@@ -1695,14 +1709,14 @@ class Device:
                 assert not (wr.done or 0 <= wr.last_n < qp.link.link.acked), \
                     f"QP {qp.qpn} left out with WR {wr.wr_id} to complete"
 
-    def flush_link(self, pl: PeerLink) -> bool:
-        """Send what ``pl``'s link lets leave now (its queued requests
-        first); True if anything was sent."""
+    def flush_link(self, pl: PeerLink, now: float | None = None) -> bool:
+        """Send what ``pl``'s link lets leave at ``now`` (default: the pass's
+        time; its queued requests first); True if anything was sent."""
         if pl.requests:
             pl.flush_requests()
         link = pl.link
         gso = self.gso
-        out = (link.bursts_to_send if gso else link.datagrams_to_send)(self.now, self._clock)
+        out = (link.bursts_to_send if gso else link.datagrams_to_send)(self.now if now is None else now, self._clock)
         if not out or self.sock is None:
             return False
         if gso and (len(out) > 1 or type(out[0]) is Burst):

@@ -913,6 +913,12 @@ class Link:
             self._runs.append((n0, n0 + count, buf, stride, last_len, built))
         return n0
 
+    def quiet(self) -> bool:
+        """Nothing queued, nothing unacknowledged: what is queued next would
+        leave alone (a ping-pong's answer)."""
+        return (self.state == _ESTABLISHED and not self._out and self._snd_nxt == self._next_n
+                and not self.recovery.bytes_in_flight)
+
     def frame_alone(self, message: bytes | bytearray, now: float, ack_now: bool = True) -> bytes | None:
         """The packet that :meth:`send` then :meth:`bursts_to_send` would
         send for ``message`` right now, if it would be the only one; else

@@ -6,7 +6,9 @@ until one of them has had a turn clearly longer than its idle ones (it took
 our data and answered), the socket has something, or ``hand_over_s`` is
 up.  Which turn ends it is decided here with a fake clock and a fake
 ``sched_yield`` whose turns take what each test says; the arming, with real
-sockets on loopback.
+sockets on loopback.  A message of several datagrams on a link with
+nothing queued or unacknowledged (a ping-pong's) leaves as soon as it is
+queued and is followed by a hand-over too.
 """
 
 from __future__ import annotations
@@ -154,3 +156,45 @@ async def test_a_write_sent_alone_arms_its_daemon_for_the_answer() -> None:
                 break
         assert b.dev.stats["rx_armed"] == 1
         assert bytes(b.mr.view[128:132]) == b"back"
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler here: runs of segments take the Python path")
+async def test_a_message_of_several_datagrams_on_a_quiet_link_leaves_at_once_and_hands_over(turns) -> None:
+    # A ping-pong's Write of three datagrams leaves while its QP is pumped,
+    # and the vCPU is handed over then, as after a message of one datagram;
+    # the pass's flush at its end finds nothing left to send.
+    async with connected() as (a, b):
+        quiet(a, b)
+        fake = turns([1.5, 6.0])
+        at_hand_over = []
+        hand_over = a.dev._hand_over
+
+        def recording(pl):  # type: ignore[no-untyped-def]
+            at_hand_over.append((pl.link._snd_nxt, pl.link._next_n))
+            hand_over(pl)
+
+        a.dev._hand_over = recording  # type: ignore[method-assign]
+        a.mr.view[:3000] = bytes(range(250)) * 12
+        a.post_write(1, 0, 3000, b, 0)
+        a.dev.poll_once()
+        assert a.dev.stats["tx_run_alone"] == 1
+        assert len(at_hand_over) == 1 and at_hand_over[0][0] == at_hand_over[0][1]  # all of it had left
+        assert fake.yields == 2 and a.dev.stats["hand_over_answered"] == 1
+        assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
+        assert bytes(b.mr.view[:3000]) == bytes(a.mr.view[:3000])
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler here: runs of segments take the Python path")
+async def test_a_message_behind_one_in_flight_waits_for_the_flush(turns) -> None:
+    # Two such Writes posted together: the first leaves at once, the second
+    # finds it in flight (a stream, not a ping-pong) and goes with the flush,
+    # with no second hand-over.
+    async with connected() as (a, b):
+        quiet(a, b)
+        fake = turns([1.5, 6.0])
+        a.post_write(1, 0, 3000, b, 0)
+        a.post_write(2, 4096, 3000, b, 4096)
+        a.dev.poll_once()
+        assert a.dev.stats["tx_run_alone"] == 1
+        assert fake.yields == 2
+        assert complete(a, b, 2) == [(1, W.IBV_WC_SUCCESS), (2, W.IBV_WC_SUCCESS)]

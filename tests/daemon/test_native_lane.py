@@ -195,6 +195,9 @@ def _twins(peer: Host, fast: Host, slow: Host) -> tuple[list[float], Any, Any, A
         # when the pass pumps: the same datagram, with an ACK field of a
         # different moment.  Here both answer in the pump.
         h.dev.answer_at_once = False
+        # Likewise the lane sends a ping-pong's run of segments as soon as it
+        # is queued, the Python path its segments at the pass's flush.
+        h.dev.run_at_once = False
         # On the hand-turned clock a hand-over would only count real
         # scheduler turns, differently for each twin.
         h.dev.hand_over_s = 0
