@@ -962,6 +962,83 @@ class Link:
         self._data_left(now, poor)
         return n
 
+    def frame_run_alone(self, buf: bytearray | memoryview, stride: int, count: int, last_len: int, built: int,
+                        now: float) -> memoryview | None:
+        """As :meth:`frame_alone` for a run: the packets that
+        :meth:`send_run` then :meth:`bursts_to_send` would send for the run
+        in ``buf`` right now, if they would be all that leaves and all of it
+        leaves; else None.  The framer writes their headers and CRCs into
+        ``buf``, and nothing else changes but the record of the advertised
+        window: the caller sends the view returned and then calls
+        :meth:`sent_run_alone`, so the bookkeeping of a ping-pong's message
+        of several datagrams comes after they have left."""
+        rec = self.recovery
+        n = self._next_n
+        if (self._framer is None or self.state != _ESTABLISHED or self._out or self._snd_nxt != n or rec.lost
+                or self._ranges or n + count > rec.una + self.peer_rwnd
+                or max(stride if count > 1 else 0, last_len) > self.config.max_payload):
+            return None
+        k, _, total = self._admit_run(stride, count, last_len, now)
+        if k != count:
+            return None
+        f = self._frame
+        f.path_id = self.path_id
+        f.conn_tag = self.peer_tag
+        f.seq = (self.isn + n) & _U32
+        f.ack = (self.peer_isn + self.rcv_nxt) & _U32
+        f.ts = int(now * 1e6) & _U32
+        f.echo = self._echo(now)
+        f.rwnd = self._advertised_window()
+        # ACK_NOW on the last, as on the last message queued (send_run sets
+        # _want_ack_now and the framing clears it: with everything queued
+        # gone, as here, it is already clear)
+        f.flag_at = count - 1
+        f.flag = _ACK_NOW
+        f.prefix = built
+        ffi = self._framer.ffi
+        dst = ffi.from_buffer("uint8_t[]", buf)
+        try:
+            self._framer.lib.udpv_tx_frame_slots(f, dst, count, stride, last_len)
+        finally:
+            ffi.release(dst)
+        return memoryview(buf)[:total].toreadonly()
+
+    def _admit_run(self, stride: int, count: int, last_len: int, now: float) -> tuple[int, float, int]:
+        pacer = self.pacer
+        rate = pacer.rate_Bps
+        return _admit(count, stride + wl.OVERHEAD, last_len + wl.OVERHEAD, self.cc.cwnd_bytes,
+                      self.recovery.bytes_in_flight, rate, pacer.next_send_s,
+                      pacer.floor(now) if rate != INF else 0.0, now)
+
+    def sent_run_alone(self, buf: bytearray | memoryview, stride: int, count: int, last_len: int, now: float,
+                       ack_carrier: bool = True) -> int:
+        """The run :meth:`frame_run_alone` framed has left: the bookkeeping
+        of :meth:`send_run` and :meth:`bursts_to_send` for it.  Returns its
+        first message's number."""
+        _, nxt, total = self._admit_run(stride, count, last_len, now)  # as framed: nothing has moved since
+        n = self._next_n
+        rec = self.recovery
+        rec.add_run(n, count, memoryview(buf), stride, last_len, *run_slots(stride))
+        self._next_n = self._snd_nxt = n + count
+        runs = self._runs
+        while runs and runs[0][1] <= n:
+            runs.popleft()  # sent before: let go, as bursts_to_send does
+        self._pace_deadline = None
+        self.pacer.next_send_s = nxt
+        full = stride + wl.OVERHEAD
+        rec.on_sent_run(n, count, full, last_len + wl.OVERHEAD)
+        cwnd = self.cc.cwnd_bytes
+        self.cc.on_packet_sent(total, now)
+        self._cwnd_limited = rec.bytes_in_flight * 2 >= cwnd
+        self.framed_datagrams += count
+        stats = self.stats
+        stats.datagrams_sent += count
+        stats.data_sent += count
+        poor = not ack_carrier or self._poor_carrier
+        self._poor_carrier = False  # nothing else is queued: it has left
+        self._data_left(now, poor)
+        return n
+
     def _data_left(self, now: float, poor_carrier: bool) -> None:
         """DATA left, carrying our ACK: nothing is owed any more, a held ACK
         was carried (or, ``poor_carrier``, such answers are no use for

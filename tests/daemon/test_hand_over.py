@@ -161,16 +161,18 @@ async def test_a_write_sent_alone_arms_its_daemon_for_the_answer() -> None:
 @pytest.mark.skipif(native.load() is None, reason="no C compiler here: runs of segments take the Python path")
 async def test_a_message_of_several_datagrams_on_a_quiet_link_leaves_at_once_and_hands_over(turns) -> None:
     # A ping-pong's Write of three datagrams leaves while its QP is pumped,
-    # and the vCPU is handed over then, as after a message of one datagram;
-    # the pass's flush at its end finds nothing left to send.
+    # before the link records it, and the vCPU is handed over then, as after
+    # a message of one datagram; the link's bookkeeping comes after.
     async with connected() as (a, b):
         quiet(a, b)
         fake = turns([1.5, 6.0])
         at_hand_over = []
         hand_over = a.dev._hand_over
+        link = a.qp.link.link
+        next_n = link._next_n
 
         def recording(pl):  # type: ignore[no-untyped-def]
-            at_hand_over.append((pl.link._snd_nxt, pl.link._next_n))
+            at_hand_over.append((bool(b.dev._rx_epoll.poll(0)), link._next_n))
             hand_over(pl)
 
         a.dev._hand_over = recording  # type: ignore[method-assign]
@@ -178,7 +180,8 @@ async def test_a_message_of_several_datagrams_on_a_quiet_link_leaves_at_once_and
         a.post_write(1, 0, 3000, b, 0)
         a.dev.poll_once()
         assert a.dev.stats["tx_run_alone"] == 1
-        assert len(at_hand_over) == 1 and at_hand_over[0][0] == at_hand_over[0][1]  # all of it had left
+        assert at_hand_over == [(True, next_n)]  # at B's socket already; not recorded yet
+        assert link._next_n == link._snd_nxt == next_n + 3
         assert fake.yields == 2 and a.dev.stats["hand_over_answered"] == 1
         assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
         assert bytes(b.mr.view[:3000]) == bytes(a.mr.view[:3000])
