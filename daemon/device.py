@@ -419,13 +419,17 @@ class PeerLink:
         segment.pack_tagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, stag, 0)
         t = dev.tx_segments
         t.prefix, t.off_at, t.off_len, t.off = segment.TAGGED_PREFIX_LEN, segment.TO_AT, 8, to
+        t.tail_len = 0
         return self._send_segments(src, start, count, last_len, ends)
 
     def send_untagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, msn: int, mo: int, inv_stag: int,
-                          flags: int, src: memoryview, start: int, count: int, last_len: int, ends: bool) -> int:
+                          flags: int, src: memoryview, start: int, count: int, last_len: int, ends: bool,
+                          flow_ack: int | None = None) -> int:
         """As :meth:`send_tagged_run`, for untagged segments (RFC 5041 §4.2:
         a Send's) of message ``msn`` from offset ``mo``; ``flags``, the
-        envelope flags, go on the message's last segment only."""
+        envelope flags, go on the message's last segment only, and so does
+        ``flow_ack``, a Modified ACK's MSN, as the FLOW_ACK trailer after
+        its payload (``flags`` then has FLOW_ACK)."""
         if self.requests:
             self.flush_requests()
         dev = self.device
@@ -433,6 +437,7 @@ class PeerLink:
         segment.pack_untagged_into(dev.tx_last, 0, dst_qpn, src_qpn, opcode, True, msn, 0, inv_stag, flags)
         t = dev.tx_segments
         t.prefix, t.off_at, t.off_len, t.off = segment.UNTAGGED_PREFIX_LEN, segment.MO_AT, 4, mo
+        t.tail_len = 0 if flow_ack is None else envelope.pack_flow_ack_into(dev.tx_tail, 0, flow_ack)
         return self._send_segments(src, start, count, last_len, ends)
 
     def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool) -> int:
@@ -440,11 +445,13 @@ class PeerLink:
         dev = self.device
         ffi = dev.native.ffi
         prefix = dev.tx_segments.prefix
+        # the k-th body: its header, its payload and (a message's last) its tail
+        last_body = prefix + last_len + (dev.tx_segments.tail_len if ends else 0)
         # every segment's link body is the same size: a longer header, less payload
         stride = segment.TAGGED_PREFIX_LEN + self.max_data
         # each body where its link packet will be, so the framer leaves it there
         head, slot = run_slots(stride)
-        dst = dev.tx_alloc("uint8_t[]", (count - 1) * slot + slot - stride + prefix + last_len)
+        dst = dev.tx_alloc("uint8_t[]", (count - 1) * slot + slot - stride + last_body)
         mem = ffi.from_buffer("uint8_t[]", src)
         try:
             dev.native.lib.udpv_tx_bodies(dev.tx_segments, dst + head, mem + start, count, stride, last_len, ends,
@@ -462,7 +469,7 @@ class PeerLink:
         # in flight, and the flush sends runs together.
         if ends and dev.run_at_once and dev.sock is not None and link.quiet():
             now = dev._clock()
-            view = link.frame_run_alone(buf, stride, count, prefix + last_len, prefix, now)
+            view = link.frame_run_alone(buf, stride, count, last_body, prefix, now)
             if view is not None:
                 burst = Burst(view, stride + wire_link.OVERHEAD)
                 if dev.gso:
@@ -472,8 +479,8 @@ class PeerLink:
                 dev.stats["tx_run_alone"] += 1
                 dev._sent = True
                 dev._hand_over(self)
-                return link.sent_run_alone(buf, stride, count, prefix + last_len, now) + count - 1
-        return link.send_run(buf, stride, count, prefix + last_len, built=prefix) + count - 1
+                return link.sent_run_alone(buf, stride, count, last_body, now) + count - 1
+        return link.send_run(buf, stride, count, last_body, built=prefix) + count - 1
 
 
 class DeviceConfig:
@@ -641,6 +648,7 @@ class Device:
             self.tx_segments = self.native.ffi.new("udpv_tx_segments *")
             self.tx_more = self.native.ffi.buffer(self.tx_segments.more)
             self.tx_last = self.native.ffi.buffer(self.tx_segments.last)
+            self.tx_tail = self.native.ffi.buffer(self.tx_segments.tail)
             # A run's buffer is not zeroed: every byte a packet takes is
             # written before it leaves (the bodies by udpv_tx_bodies, the
             # headers and CRCs by the framer), and zeroing 64 KiB cost about

@@ -869,10 +869,16 @@ class QueuePair:
         if last:
             if carry:
                 envelope.pack_flow_ack_into(buf, _UNTAGGED_PREFIX + n, self.rx_msn)
-                self.flow_ack_due = False
-                self.device.stats["flow_ack_carried"] += 1
-            self.flow_hold.answered(self.device.now, carry)
+            self._flow_ack_sent(carry)
         return buf
+
+    def _flow_ack_sent(self, carried: bool) -> None:
+        """A message's last segment is queued, ``carried``: with the Modified
+        ACK we owed on it."""
+        if carried:
+            self.flow_ack_due = False
+            self.device.stats["flow_ack_carried"] += 1
+        self.flow_hold.answered(self.device.now, carried)
 
     def _write_queued(self, wr: OutWR, num: int) -> None:
         """The last segment of the RDMA Write ``wr`` (no Immediate Data) is
@@ -1088,13 +1094,18 @@ class QueuePair:
             view, base, length = g.pieces[g.idx]
             k, last_len, ends = _lane_run(remaining, length - g.off, max_data, room, self.link.link.send_space())
             if k:
+                # the Modified ACK we owe rides on the message's last segment
+                # when it fits, as _q0_segment puts it there
+                carry = ends and self.flow_ack_due and last_len + _FLOW_ACK_LEN <= max_data
                 self.link.send_untagged_run(m.opcode, self.dest_qpn, self.qpn, m.msn & _U32, m.sent, m.inv_stag,
-                                            m.flags, view, base + g.off, k, last_len, ends)
+                                            m.flags | _FLOW_ACK if carry else m.flags, view, base + g.off, k,
+                                            last_len, ends, self.rx_msn if carry else None)
                 nbytes = (k - 1) * max_data + last_len
                 g.skip(nbytes)
                 m.sent += nbytes
                 if ends:
                     self.q0_cursor += 1
+                    self._flow_ack_sent(carry)
                 return k
         n = min(max_data, remaining)
         last = m.sent + n == total

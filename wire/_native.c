@@ -470,6 +470,8 @@ typedef struct {
     uint32_t off_at;   /* where the offset field starts */
     uint32_t off_len;  /* 8 (TO) or 4 (MO) */
     uint64_t off;      /* the first segment's offset */
+    uint8_t tail[4];   /* bytes after the message's last segment's payload (a FLOW_ACK trailer) */
+    uint32_t tail_len; /* 0 or 4: only when `ends` */
 } udpv_tx_segments;
 
 /* k link bodies (header + payload) for consecutive segments of one message,
@@ -478,9 +480,11 @@ typedef struct {
    run_slots defines: see udpv_tx_frame_slots); payload from `src`,
    max_data bytes each, the k-th
    `last_len` bytes. The k-th gets the `last` header when `ends` (the
-   message's last segment). In link slots, a payload of FOLD_MIN bytes or
-   more is copied and run through the CRC in the same pass, on CPUs that
-   fold: the second pass over 64 KB that framing took cost about as much
+   message's last segment), and `tail` after its payload. In link slots,
+   on CPUs that fold, a body whose payload and tail are FOLD_MIN bytes or
+   more leaves their CRC register in its packet's CRC field, the payload
+   copied and run through the CRC in the same pass when it is that long
+   itself: the second pass over 64 KB that framing took cost about as much
    as the copy. */
 void udpv_tx_bodies(const udpv_tx_segments *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,
                     size_t last_len, int ends, size_t spacing) {
@@ -497,11 +501,24 @@ void udpv_tx_bodies(const udpv_tx_segments *t, uint8_t *out, const uint8_t *src,
         else
             put32(b + t->off_at, (uint32_t)off);
         size_t n = i + 1 == k ? last_len : max_data;
-        if (fuse && n >= FOLD_MIN) {
-            uint32_t reg = fold_copy(b + prefix, src, n);
-            memcpy(b + prefix + n, &reg, sizeof reg);
-        } else
+        size_t extra = ends && i + 1 == k ? t->tail_len : 0;
+        if (fuse && n + extra >= FOLD_MIN) {
+            uint32_t reg;
+            if (n >= FOLD_MIN)
+                reg = fold_copy(b + prefix, src, n);
+            else {
+                memcpy(b + prefix, src, n);
+                reg = ~udpv_crc32c(~0u, b + prefix, n);
+            }
+            if (extra) {
+                memcpy(b + prefix + n, t->tail, extra);
+                reg = ~udpv_crc32c(~reg, t->tail, extra);
+            }
+            memcpy(b + prefix + n + extra, &reg, sizeof reg);
+        } else {
             memcpy(b + prefix, src, n);
+            if (extra) memcpy(b + prefix + n, t->tail, extra);
+        }
         src += n;
         off += n;
     }

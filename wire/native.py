@@ -122,6 +122,8 @@ typedef struct {
     uint32_t off_at;
     uint32_t off_len;
     uint64_t off;
+    uint8_t tail[4];
+    uint32_t tail_len;
 } udpv_tx_segments;
 
 void udpv_tx_bodies(const udpv_tx_segments *t, uint8_t *out, const uint8_t *src, size_t k, size_t stride,

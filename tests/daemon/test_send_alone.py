@@ -301,3 +301,45 @@ async def test_an_answer_does_not_pass_a_qp_waiting_its_turn() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_a_send_of_several_segments_answers_with_the_modified_ack_on_its_last(native: bool) -> None:
+    # A ping-pong of 3,000-byte Sends (three segments each): once each side
+    # has learned that it answers (the first Modified ACK it owes goes alone:
+    # transport/ackhold.py), every answer carries the Modified ACK of the
+    # Send it answers on its last segment, built by the send lane's run as
+    # by the Python path, and no flow message goes on its own.  The clock
+    # stands still: no hold runs out.
+    a, b = (Host(ip, gso=True, native=native) for ip in ("127.0.0.2", "127.0.0.3"))
+    async with connected(a, b) as (a, b):
+        clock = [a.dev._clock()]
+        for h in (a, b):
+            h.dev._clock = lambda: clock[0]
+        a.mr.view[:3000] = bytes(range(250)) * 12
+        b.mr.view[:3000] = bytes(range(249, -1, -1)) * 12
+        carried = [h.dev.stats["flow_ack_carried"] for h in (a, b)]
+        sent = [h.qp.link.link.stats.data_sent for h in (a, b)]
+        cqes: dict[Host, list[tuple[int, int]]] = {a: [], b: []}
+        rounds = 4
+        for i in range(2 * rounds):
+            sender, receiver = (a, b) if i % 2 == 0 else (b, a)
+            receiver.post_recv(100 + i, 8192, 4096)
+            sender.post_write(i, 0, 3000, receiver, 0, opcode=WrOpcode.IBV_WR_SEND)
+            for _ in range(200):  # until the receive completes
+                sender.dev.poll_once()
+                receiver.dev.poll_once()
+                for h in (a, b):
+                    cqes[h] += h.completions()
+                if (100 + i, W.IBV_WC_SUCCESS) in cqes[receiver]:
+                    break
+            assert (100 + i, W.IBV_WC_SUCCESS) in cqes[receiver]
+            assert bytes(receiver.mr.view[8192:8192 + 3000]) == bytes(sender.mr.view[:3000])
+        # a sends the even ones: its first (i = 0) answers nothing, its second
+        # follows the Modified ACK it sent alone; b's first follows its own
+        assert [h.dev.stats["flow_ack_carried"] - c for h, c in zip((a, b), carried)] == [rounds - 2, rounds - 1]
+        # three segments a Send, and each side's one Modified ACK alone
+        assert [h.qp.link.link.stats.data_sent - n for h, n in zip((a, b), sent)] == [3 * rounds + 1] * 2
+        # and each answered Send completed on it (the last waits for an answer)
+        assert sorted(x for x in cqes[a] + cqes[b] if x[0] < 100) == \
+            [(i, W.IBV_WC_SUCCESS) for i in range(2 * rounds - 1)]

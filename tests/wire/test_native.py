@@ -407,10 +407,12 @@ _SEND_OPCODES = [Opcode.SEND, Opcode.SEND_SE, Opcode.SEND_INVALIDATE, Opcode.SEN
        dst=st.integers(0, segment.MAX_QPN), src=st.integers(0, segment.MAX_QPN), stag=st.integers(0, 2**32 - 1),
        to=st.integers(0, 2**64 - 1), seq=st.integers(0, 2**32 - 1), flag_at=st.integers(0, 8),
        fields=st.tuples(*[st.integers(0, 2**32 - 1)] * 4, st.integers(0, 0xFFFF), st.integers(0, 255)),
-       env_flags=st.integers(0, 1), seed=st.integers(0, 2**32), level=st.sampled_from([1, 2]))
+       env_flags=st.integers(0, 1), seed=st.integers(0, 2**32), level=st.sampled_from([1, 2]),
+       flow_ack=st.one_of(st.none(), st.integers(0, 2**32 - 1)))
 def test_the_send_lane_builds_what_the_python_encoders_build(
         opcode: int, k: int, max_data: int, last_len: int, ends: bool, dst: int, src: int, stag: int, to: int,
-        seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int, level: int) -> None:
+        seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int, level: int,
+        flow_ack: int | None) -> None:
     """At CRC level 2 (where the CPU has it) a payload of 256 bytes or more
     is copied and run through the CRC in one pass, and the framer moves the
     headers' CRC register past it; at level 1 the framer reads the packet."""
@@ -420,13 +422,31 @@ def test_the_send_lane_builds_what_the_python_encoders_build(
     lib.udpv_crc32c_level(level)
     try:
         _check_send_lane(opcode, k, max_data, last_len, ends, dst, src, stag, to, seq, flag_at, fields, env_flags,
-                         seed)
+                         seed, flow_ack)
     finally:
         lib.udpv_crc32c_level(best)
 
 
+@pytest.mark.parametrize("last_len", [100, 252, 253, 256, 300])
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_modified_ack_rides_on_a_sends_last_segment(last_len: int, level: int) -> None:
+    """The FLOW_ACK trailer after the last payload, below, across and above
+    the length from which the lane folds the CRC as it copies (256: a
+    payload of 252 with its 4-byte trailer is the first that is folded
+    from its register)."""
+    assert mod is not None
+    best = mod.lib.udpv_crc32c_level(-1)
+    mod.lib.udpv_crc32c_level(level)
+    try:
+        _check_send_lane(Opcode.SEND, 3, 1000, last_len, True, 5, 6, 0, 0, 77, 2, (1, 2, 3, 4, 5, 0), 0, 9,
+                         0xA1B2C3D4)
+    finally:
+        mod.lib.udpv_crc32c_level(best)
+
+
 def _check_send_lane(opcode: int, k: int, max_data: int, last_len: int, ends: bool, dst: int, src: int, stag: int,
-                     to: int, seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int) -> None:
+                     to: int, seq: int, flag_at: int, fields: tuple[int, ...], env_flags: int, seed: int,
+                     flow_ack: int | None) -> None:
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     last_len = min(last_len, max_data)
@@ -438,6 +458,12 @@ def _check_send_lane(opcode: int, k: int, max_data: int, last_len: int, ends: bo
     inv = stag if opcode in rdmap.INVALIDATE_OPCODES else 0
     msn, mo = seq, to & 0xFFFFFFF  # below 2**28: a run's offsets stay within MO's 32 bits
     flags = env_flags  # IMM_FOLLOWS, the one flag a Send's last segment carries
+    # and a Modified ACK we owe, as a FLOW_ACK trailer after the last segment's payload, when it fits
+    if tagged or not ends or last_len + envelope.FLOW_ACK_LEN > max_data:
+        flow_ack = None
+    tail = b"" if flow_ack is None else flow_ack.to_bytes(envelope.FLOW_ACK_LEN, "big")
+    if flow_ack is not None:
+        flags |= envelope.Flags.FLOW_ACK
 
     def header(buf: bytearray, last: bool, off: int) -> None:
         if tagged:
@@ -449,10 +475,13 @@ def _check_send_lane(opcode: int, k: int, max_data: int, last_len: int, ends: bo
     expected = []
     for i in range(k):
         n = max_data if i < k - 1 else last_len
+        last = ends and i == k - 1
         body = bytearray(prefix + n)
-        header(body, ends and i == k - 1, (to if tagged else mo) + i * max_data)
+        header(body, last, (to if tagged else mo) + i * max_data)
         body[prefix:] = source[i * max_data:i * max_data + n]
-        expected.append((bytes(body), n))
+        if last:
+            body += tail
+        expected.append((bytes(body), len(body) - prefix))
     ack, ts, echo, tag, rwnd, path_id = fields
     packets = [link.encode_fields(PacketType.DATA, link.LinkFlags.ACK_NOW if i == flag_at else 0, path_id, tag,
                                   (seq + i) & 0xFFFFFFFF, ack, ts, echo, rwnd, body) for i, (body, _) in enumerate(expected)]
@@ -463,8 +492,10 @@ def _check_send_lane(opcode: int, k: int, max_data: int, last_len: int, ends: bo
     header(ffi.buffer(t.last), True, 0)  # type: ignore[arg-type]
     t.prefix = prefix
     t.off_at, t.off_len, t.off = (segment.TO_AT, 8, to) if tagged else (segment.MO_AT, 4, mo)
+    ffi.buffer(t.tail)[:len(tail)] = tail
+    t.tail_len = len(tail)
     stride = prefix + max_data
-    bodies = bytearray((k - 1) * stride + prefix + last_len)
+    bodies = bytearray((k - 1) * stride + prefix + last_len + len(tail))
     lib.udpv_tx_bodies(t, ffi.from_buffer("uint8_t[]", bodies), source, k, stride, last_len, ends, stride)
     assert [bytes(bodies[i * stride:i * stride + prefix + n]) for i, (_, n) in
             enumerate(expected)] == [b for b, _ in expected]
@@ -479,7 +510,8 @@ def _check_send_lane(opcode: int, k: int, max_data: int, last_len: int, ends: bo
     assert slot == stride + link.OVERHEAD
     out = bytearray(b"\xee" * sum(map(len, packets)))
     lib.udpv_tx_bodies(t, ffi.from_buffer("uint8_t[]", out) + head, source, k, stride, last_len, ends, slot)
-    assert lib.udpv_tx_frame_slots(f, ffi.from_buffer("uint8_t[]", out), k, stride, prefix + last_len) == len(out)
+    assert lib.udpv_tx_frame_slots(f, ffi.from_buffer("uint8_t[]", out), k, stride,
+                                   prefix + last_len + len(tail)) == len(out)
     assert bytes(out) == b"".join(packets)
     # and the receiving side's parser reads them back
     for p in packets:
