@@ -1004,6 +1004,7 @@ class Link:
         return memoryview(buf)[:total].toreadonly()
 
     def _admit_run(self, stride: int, count: int, last_len: int, now: float) -> tuple[int, float, int]:
+        """``_admit`` for a run of ``count`` messages to be queued next, on this link's state now."""
         pacer = self.pacer
         rate = pacer.rate_Bps
         return _admit(count, stride + wl.OVERHEAD, last_len + wl.OVERHEAD, self.cc.cwnd_bytes,
