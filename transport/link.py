@@ -981,27 +981,37 @@ class Link:
         k, _, total = self._admit_run(stride, count, last_len, now)
         if k != count:
             return None
+        # ACK_NOW on the last, as on the last message queued (send_run sets
+        # _want_ack_now and the framing clears it: with everything queued
+        # gone, as here, it is already clear)
+        self._frame_packets(buf, 0, n, count, stride, last_len, now, (self.peer_isn + self.rcv_nxt) & _U32,
+                            self._advertised_window(), count - 1, _ACK_NOW, built)
+        return memoryview(buf)[:total].toreadonly()
+
+    def _frame_packets(self, buf: bytearray | memoryview, first: int, n: int, k: int, stride: int, last_len: int,
+                       now: float, ack: int, rwnd: int, flag_at: int, flag: int, built: int) -> None:
+        """Write the headers and CRCs of DATA packets ``n`` .. ``n + k - 1``
+        around their bodies in ``buf`` from ``first`` (``run_slots``'
+        layout; bodies ``stride`` bytes, the k-th ``last_len``), in one
+        compiled call: the packet at ``flag_at`` carries ``flag``; ``built``
+        as for :meth:`send_run`."""
         f = self._frame
         f.path_id = self.path_id
         f.conn_tag = self.peer_tag
         f.seq = (self.isn + n) & _U32
-        f.ack = (self.peer_isn + self.rcv_nxt) & _U32
+        f.ack = ack
         f.ts = int(now * 1e6) & _U32
         f.echo = self._echo(now)
-        f.rwnd = self._advertised_window()
-        # ACK_NOW on the last, as on the last message queued (send_run sets
-        # _want_ack_now and the framing clears it: with everything queued
-        # gone, as here, it is already clear)
-        f.flag_at = count - 1
-        f.flag = _ACK_NOW
+        f.rwnd = rwnd
+        f.flag_at = flag_at
+        f.flag = flag
         f.prefix = built
         ffi = self._framer.ffi
         dst = ffi.from_buffer("uint8_t[]", buf)
         try:
-            self._framer.lib.udpv_tx_frame_slots(f, dst, count, stride, last_len)
+            self._framer.lib.udpv_tx_frame_slots(f, dst + first, k, stride, last_len)
         finally:
             ffi.release(dst)
-        return memoryview(buf)[:total].toreadonly()
 
     def _admit_run(self, stride: int, count: int, last_len: int, now: float) -> tuple[int, float, int]:
         """``_admit`` for a run of ``count`` messages to be queued next, on this link's state now."""
@@ -1228,43 +1238,23 @@ class Link:
         n0, end, buf, stride, last_len, built = run
         if end > limit:
             end = limit
-        rec = self.recovery
-        pacer = self.pacer
-        overhead = wl.OVERHEAD
-        full = stride + overhead
-        tail = last_len + overhead if end == run[1] else full  # the batch's last message may be shorter
+        if end != run[1]:
+            last_len = stride  # the batch's last message may be shorter, not this part's
         m = end - n
-        rate = pacer.rate_Bps
-        k, nxt, total = _admit(m, full, tail, self.cc.cwnd_bytes, rec.bytes_in_flight, rate, pacer.next_send_s,
-                               pacer.floor(now) if rate != INF else 0.0, now)
+        k, nxt, total = self._admit_run(stride, m, last_len, now)
         if not k:
             return 0, 0
-        pacer.next_send_s = nxt
-        rec.on_sent_run(n, k, full, tail if k == m else full)
+        full = stride + wl.OVERHEAD
+        self.pacer.next_send_s = nxt
+        self.recovery.on_sent_run(n, k, full, last_len + wl.OVERHEAD if k == m else full)
         if clock is not None:
             now = clock()
-        f = self._frame
-        f.path_id = self.path_id
-        f.conn_tag = self.peer_tag
-        f.seq = (self.isn + n) & _U32
-        f.ack = ack
-        f.ts = int(now * 1e6) & _U32
-        f.echo = self._echo(now)
-        f.rwnd = rwnd
+        first = (n - n0) * full  # the packets' places in buf (run_slots)
         # ACK_NOW on the last message queued (as the loop sets it)
-        f.flag_at = self._next_n - 1 - n
-        f.flag = _ACK_NOW if self._want_ack_now else 0
-        f.prefix = built
+        self._frame_packets(buf, first, n, k, stride, total - (k - 1) * full - wl.OVERHEAD, now, ack, rwnd,
+                            self._next_n - 1 - n, _ACK_NOW if self._want_ack_now else 0, built)
         if n + k >= self._next_n:
             self._want_ack_now = False
-        ffi = self._framer.ffi
-        first = (n - n0) * full  # the packets' places in buf (run_slots)
-        last = total - (k - 1) * full - overhead  # the k-th body's length
-        dst = ffi.from_buffer("uint8_t[]", buf)
-        try:
-            self._framer.lib.udpv_tx_frame_slots(f, dst + first, k, stride, last)
-        finally:
-            ffi.release(dst)
         self.framed_datagrams += k
         # no copy: the owner sends that part of buf as it is
         out.append(Burst(memoryview(buf)[first:first + total].toreadonly(), full))
