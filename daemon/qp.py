@@ -397,15 +397,16 @@ class _Gather:
 class _Sending:
     """The RDMA Write the requester is segmenting now."""
 
-    __slots__ = ("wr", "gather", "sent", "with_imm", "imm", "solicited")
+    __slots__ = ("wr", "gather", "sent", "with_imm", "imm", "solicited", "seg")
 
-    def __init__(self, wr: OutWR, gather: _Gather, with_imm: bool, imm: int, solicited: bool) -> None:
+    def __init__(self, wr: OutWR, gather: _Gather, with_imm: bool, imm: int, solicited: bool, seg: int) -> None:
         self.wr = wr
         self.gather = gather
         self.sent = 0
         self.with_imm = with_imm
         self.imm = imm
         self.solicited = solicited
+        self.seg = seg  # each segment's payload (PeerLink.segment_size)
 
 
 class _Q0Msg:
@@ -462,15 +463,16 @@ class _PendingRead:
 class _ReadResponse:
     """An IRRQ entry: a Read Request accepted, its response being sent."""
 
-    __slots__ = ("view", "off", "size", "sink_stag", "sink_to", "sent")
+    __slots__ = ("view", "off", "size", "sink_stag", "sink_to", "sent", "seg")
 
-    def __init__(self, view: memoryview, off: int, size: int, sink_stag: int, sink_to: int) -> None:
+    def __init__(self, view: memoryview, off: int, size: int, sink_stag: int, sink_to: int, seg: int) -> None:
         self.view = view
         self.off = off
         self.size = size
         self.sink_stag = sink_stag
         self.sink_to = sink_to
         self.sent = 0
+        self.seg = seg  # each segment's payload (PeerLink.segment_size)
 
 
 class QueuePair:
@@ -824,7 +826,9 @@ class QueuePair:
                 self._queue_q0(_Q0Msg(self.send_msn, wr, None,
                                       Opcode.IMMEDIATE_DATA_SE if solicited else Opcode.IMMEDIATE_DATA, imm=imm))
         else:
-            self.sending = _Sending(wr, gather, opcode == WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, imm, solicited)
+            # another WR outstanding: a stream's message, which may be cut evenly
+            seg = self.link.segment_size(gather.total, len(self.outstanding) > 1)  # type: ignore[union-attr]
+            self.sending = _Sending(wr, gather, opcode == WrOpcode.IBV_WR_RDMA_WRITE_WITH_IMM, imm, solicited, seg)
         return 0
 
     def _taken(self, wr: OutWR, rkey: int, raddr: int) -> None:
@@ -1007,7 +1011,7 @@ class QueuePair:
                 taken = 0
             # Read and atomic responses first: the peer is waiting on us.
             if self.irrq:
-                sent += self._send_response(max_data, budget - sent)
+                sent += self._send_response(budget - sent)
                 continue
             if self.state != _RTS:
                 break
@@ -1032,24 +1036,26 @@ class QueuePair:
                 continue
             # RFC 5040 §5.1: an RDMA Write is tagged segments into the peer's STag.
             remaining = s.gather.total - s.sent
-            if lane and remaining > max_data:
+            seg = s.seg
+            if lane and remaining > seg:
                 # Two segments or more: the run within the current SGE goes
                 # through the compiled send lane.
                 g = s.gather
                 view, base, length = g.pieces[g.idx]
-                k, last_len, ends = _lane_run(remaining, length - g.off, max_data, budget - sent,
+                k, last_len, ends = _lane_run(remaining, length - g.off, seg, budget - sent,
                                               link.link.send_space())
                 if k:
                     num = link.send_tagged_run(Opcode.RDMA_WRITE, self.dest_qpn, self.qpn, s.wr.rkey,
-                                               (s.wr.raddr + s.sent) & _U64, view, base + g.off, k, last_len, ends)
-                    nbytes = (k - 1) * max_data + last_len
+                                               (s.wr.raddr + s.sent) & _U64, view, base + g.off, k, seg,
+                                               last_len, ends)
+                    nbytes = (k - 1) * seg + last_len
                     g.skip(nbytes)
                     s.sent += nbytes
                     sent += k
                     if ends:
                         self._write_sent(s, num)
                     continue
-            n = min(max_data, remaining)
+            n = min(seg, remaining)
             last = s.sent + n == s.gather.total
             buf = bytearray(_TAGGED_PREFIX + n)
             self._tagged_packer()(buf, last, s.wr.rkey, (s.wr.raddr + s.sent) & _U64)
@@ -1123,7 +1129,7 @@ class QueuePair:
             self.link.send(buf, ack_now=False)
         return 1
 
-    def _send_response(self, max_data: int, room: int) -> int:
+    def _send_response(self, room: int) -> int:
         """Send the next segments (at most ``room``) of the IRRQ head, a Read
         Response or an Atomic Response; return how many."""
         assert self.link is not None
@@ -1134,16 +1140,18 @@ class QueuePair:
             self.atomic_resp_msn += 1
             return 1
         remaining = r.size - r.sent
-        if self.device.native is not None and remaining > max_data:
-            k, last_len, ends = _lane_run(remaining, remaining, max_data, room, self.link.link.send_space())
+        seg = r.seg
+        if self.device.native is not None and remaining > seg:
+            k, last_len, ends = _lane_run(remaining, remaining, seg, room, self.link.link.send_space())
             if k:
                 self.link.send_tagged_run(Opcode.RDMA_READ_RESPONSE, self.dest_qpn, self.qpn, r.sink_stag,
-                                          (r.sink_to + r.sent) & _U64, r.view, r.off + r.sent, k, last_len, ends)
-                r.sent += (k - 1) * max_data + last_len
+                                          (r.sink_to + r.sent) & _U64, r.view, r.off + r.sent, k, seg, last_len,
+                                          ends)
+                r.sent += (k - 1) * seg + last_len
                 if ends:
                     self.irrq.popleft()
                 return k
-        n = min(max_data, remaining)
+        n = min(seg, remaining)
         last = r.sent + n == r.size
         buf = bytearray(_TAGGED_PREFIX + n)
         segment.pack_tagged_into(buf, 0, self.dest_qpn, self.qpn, Opcode.RDMA_READ_RESPONSE, last,
@@ -1343,7 +1351,9 @@ class QueuePair:
         if code:
             self._terminate(_TERM_CODE[code], raw, len(payload), rdmap_header=bytes(payload))
             return
-        self.irrq.append(_ReadResponse(mr.view, off, req.size, req.sink_stag, req.sink_to))
+        # responses queued ahead make this one part of a stream
+        seg = self.link.segment_size(req.size, bool(self.irrq))  # type: ignore[union-attr]
+        self.irrq.append(_ReadResponse(mr.view, off, req.size, req.sink_stag, req.sink_to, seg))
 
     def _on_read_response(self, hdr: Any, payload: memoryview, raw: memoryview) -> None:
         n = len(payload)

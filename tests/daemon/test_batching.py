@@ -530,6 +530,15 @@ def _flat(out: list[Any]) -> list[bytes]:
     ([(3, 65300, 900)], [("sendto", 1, 65300), ("sendto", 1, 65300), ("sendto", 1, 900)]),
     # queued datagrams around a run are grouped apart from it
     ([1500, 1500, (3, 1500, 1500), 40], [("gso", 2, 1500), ("gso", 3, 1500), ("sendto", 1, 40)]),
+    # runs of whole datagrams of one size share a send, up to one that ends shorter
+    ([(2, 1100, 1100)] * 3, [("gso", 6, 1100)]),
+    ([(2, 1100, 1100), (2, 1100, 600), (2, 1100, 1100)], [("gso", 4, 1100), ("gso", 2, 1100)]),
+    ([(2, 1100, 1100), (2, 1000, 1000)], [("gso", 2, 1100), ("gso", 2, 1000)]),
+    ([(2, 1100, 1100), 1100, (2, 1100, 1100)], [("gso", 2, 1100), ("sendto", 1, 1100), ("gso", 2, 1100)]),
+    # within the limits: 59 datagrams of 1100 bytes fit GSO_MAX_BYTES
+    ([(2, 1100, 1100)] * 30, [("gso", 58, 1100), ("gso", 2, 1100)]),
+    ([(60, 1000, 1000), (2, 1000, 1000), (2, 1000, 1000)], [("gso", 64, 1000)]),
+    ([(40, 1000, 1000), (30, 1000, 1000)], [("gso", 40, 1000), ("gso", 30, 1000)]),
 ])
 def test_a_burst_leaves_in_as_few_sends_as_the_limits_allow(items: list[Any],
                                                             expect: list[tuple[str, int, int]]) -> None:
@@ -551,13 +560,32 @@ def test_a_refused_burst_goes_one_by_one(refused: int) -> None:
     dev.gso = True
     rec = RecordingSocket(refuse_gso=True, refuse_errno=refused)
     dev.sock = rec  # type: ignore[assignment]
-    out = [_burst(50, 1500, 300, fill=0), bytes(40), _burst(3, 1000, 1000, fill=7)]
+    out = [_burst(50, 1500, 300, fill=0), bytes(40), _burst(3, 1000, 1000, fill=7), _burst(2, 1000, 1000, fill=9)]
     dev._send_segmented(out, ("127.0.0.9", 9))
     assert all(kind == "sendto" for kind, _, _ in rec.sends)
     assert _sent_datagrams(rec) == _flat(out)
     assert dev.gso is (refused == errno.EINVAL)
-    # EIO: asked once, then never again; EINVAL: each run is tried
+    # EIO: asked once, then never again; EINVAL: each send is tried (the
+    # first burst takes two, the last two share one)
     assert dev.stats["tx_gso_refused"] == (1 if refused == errno.EIO else 3)
+    dev.sock = None
+    dev.close()
+
+
+@pytest.mark.parametrize(("error", "counter"), [(BlockingIOError, "tx_dropped"), (OSError, "tx_oserror")])
+def test_a_send_that_fails_counts_every_datagram_it_carried(error: type[OSError], counter: str) -> None:
+    dev = Device(DeviceConfig(port=0))
+    rec = RecordingSocket(refuse_gso=True, refuse_errno=errno.ENOBUFS)
+
+    def fail(*args: Any) -> int:
+        raise error(errno.EAGAIN if error is BlockingIOError else errno.ENOBUFS, "full")
+
+    rec.sendmsg = fail  # type: ignore[method-assign]
+    rec.sendto = fail  # type: ignore[method-assign]
+    dev.sock = rec  # type: ignore[assignment]
+    out = [_burst(3, 1000, 1000, fill=0), _burst(2, 1000, 400, fill=3), bytes(40), _burst(5, 900, 900, fill=5)]
+    dev._send_segmented(out, ("127.0.0.9", 9))
+    assert dev.stats[counter] == 11  # the link retransmits what the kernel did not take
     dev.sock = None
     dev.close()
 
