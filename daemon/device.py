@@ -319,7 +319,7 @@ def equal_segment_size(total: int, max_data: int, overhead: int) -> int:
     of one size are datagrams of one size, which ``Device._send_segmented``
     joins: in the thirty-third round's alternations 4 and 8 KiB Write
     streams moved 13-23% more, 2 KiB ones 0-17%, and the receiving daemon
-    spent a third as long on each datagram (in one process).
+    spent about a quarter as long on each datagram (in one process).
     A datagram more costs about a microsecond in each daemon, less than a
     system call, and where two messages cannot share a send nothing pays
     for it.  (DDP leaves the cutting to the sender, each segment within the

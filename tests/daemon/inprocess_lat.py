@@ -1,7 +1,8 @@
 """In-process latency passes: what each daemon pass of a 2-byte Write hop, a Send hop and a Read costs.
 
-Not a test: the measurement behind the README's account of ``read_lat``
-and ``send_lat`` against ``write_lat``.  Two Devices in one process, both loops turned by
+Not a test: the measurement behind the account of ``read_lat`` and
+``send_lat`` against ``write_lat`` (the README's, and in full the
+performance history's).  Two Devices in one process, both loops turned by
 hand, one operation at a time: each phase turns one device's loop until
 the phase is done (a datagram left, the data landed, the Read completed)
 and times it, with no scheduler, applications or other processes in the
