@@ -156,7 +156,8 @@ UDP_GRO = 104
 #: bytes they may add up to (one IP datagram's worth, with room for headers)
 GSO_MAX_SEGMENTS = 64
 GSO_MAX_BYTES = 65000
-#: datagrams a stream's message may take beyond the fewest, to make them equal
+#: datagrams a stream's Write or Read Response may take beyond the fewest,
+#: to make them equal (a Send's may take none: equal_segment_size)
 EQUAL_EXTRA = 2
 #: arrival time of a datagram at the host (asm-generic/socket.h,
 #: SO_TIMESTAMPNS_OLD: a native struct timespec, CLOCK_REALTIME)
@@ -306,12 +307,12 @@ def _count(buffers: list[bytes | memoryview], size: int) -> int:
     return sum(-(-len(b) // size) for b in buffers)
 
 
-def equal_segment_size(total: int, max_data: int, overhead: int) -> int:
-    """The payload of each tagged segment a stream's message of ``total``
-    bytes is cut into: ``total`` split evenly over the fewest segments of at
-    most ``max_data`` bytes, or over up to ``EQUAL_EXTRA`` more, if two
-    such messages (``overhead`` bytes more a datagram) fit one UDP_SEGMENT
-    send; else ``max_data``, the last segment shorter.
+def equal_segment_size(total: int, max_data: int, overhead: int, extra: int = EQUAL_EXTRA) -> int:
+    """The payload of each segment a stream's message of ``total`` bytes is
+    cut into: ``total`` split evenly over the fewest segments of at most
+    ``max_data`` bytes, or over up to ``extra`` more, if two such messages
+    (``overhead`` bytes more a datagram) fit one UDP_SEGMENT send; else
+    ``max_data``, the last segment shorter.
 
     A UDP_SEGMENT send, and a GRO batch, can only end with a shorter
     datagram, so a message whose last segment is short takes a system call
@@ -320,14 +321,16 @@ def equal_segment_size(total: int, max_data: int, overhead: int) -> int:
     joins: in the thirty-third round's alternations 4 and 8 KiB Write
     streams moved 13-23% more, 2 KiB ones 0-17%, and the receiving daemon
     spent about a quarter as long on each datagram (in one process).
-    A datagram more costs about a microsecond in each daemon, less than a
-    system call, and where two messages cannot share a send nothing pays
-    for it.  (DDP leaves the cutting to the sender, each segment within the
+    Where two messages cannot share a send nothing pays for an even cut.
+    A datagram more paid for Writes, not for Sends: a 4 KiB Send stream cut
+    in quarters saved the sender as much system time as its fourth datagram
+    cost in Python (send_bw -s 4096 unchanged, -s 2048, two halves, 41 ->
+    56 MB/s), so a Send is cut evenly only over the fewest segments.  (DDP leaves the cutting to the sender, each segment within the
     MULPDU, RFC 5041 §5.2; the receiver places each by its offset.)
     """
     k = -(-total // max_data)
     if 1 < k and 2 * k <= GSO_MAX_SEGMENTS:
-        for n in range(k, min(k + EQUAL_EXTRA, GSO_MAX_SEGMENTS // 2) + 1):
+        for n in range(k, min(k + extra, GSO_MAX_SEGMENTS // 2) + 1):
             if total % n == 0:
                 # more segments only add bytes: the first that divides decides
                 if 2 * (total + n * overhead) <= GSO_MAX_BYTES:
@@ -380,15 +383,18 @@ class PeerLink:
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
 
-    def segment_size(self, total: int, stream: bool) -> int:
-        """The payload of each tagged segment (an RDMA Write's or a Read
-        Response's) of a message of ``total`` bytes: cut evenly where that
-        lets a stream's messages share system calls (``stream``: others are
-        queued with it; :func:`equal_segment_size`), else ``max_data`` each
-        but the last, as a message sent alone (a ping-pong's) always is."""
+    def segment_size(self, total: int, stream: bool, untagged: bool = False) -> int:
+        """The payload of each segment of a message of ``total`` bytes, tagged
+        (an RDMA Write's or a Read Response's) or ``untagged`` (a Send's):
+        cut evenly where that lets a stream's messages share system calls
+        (``stream``: others are queued with it; :func:`equal_segment_size`),
+        else as many bytes as fit, the last segment shorter, as a message
+        sent alone (a ping-pong's) always is."""
+        prefix = segment.UNTAGGED_PREFIX_LEN if untagged else segment.TAGGED_PREFIX_LEN
+        max_data = self.max_data + segment.TAGGED_PREFIX_LEN - prefix
         if stream and self.device.gso:
-            return equal_segment_size(total, self.max_data, wire_link.OVERHEAD + segment.TAGGED_PREFIX_LEN)
-        return self.max_data
+            return equal_segment_size(total, max_data, wire_link.OVERHEAD + prefix, 0 if untagged else EQUAL_EXTRA)
+        return max_data
 
     def send(self, message: bytes | bytearray, ack_now: bool = True, ack_carrier: bool = True) -> int:
         """Queue one message on the link; return its message number
@@ -470,7 +476,7 @@ class PeerLink:
         return self._send_segments(src, start, count, last_len, ends, segment.TAGGED_PREFIX_LEN + seg)
 
     def send_untagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, msn: int, mo: int, inv_stag: int,
-                          flags: int, src: memoryview, start: int, count: int, last_len: int, ends: bool,
+                          flags: int, src: memoryview, start: int, count: int, seg: int, last_len: int, ends: bool,
                           flow_ack: int | None = None) -> int:
         """As :meth:`send_tagged_run`, for untagged segments (RFC 5041 §4.2:
         a Send's) of message ``msn`` from offset ``mo``; ``flags``, the
@@ -485,8 +491,7 @@ class PeerLink:
         t = dev.tx_segments
         t.prefix, t.off_at, t.off_len, t.off = segment.UNTAGGED_PREFIX_LEN, segment.MO_AT, 4, mo
         t.tail_len = 0 if flow_ack is None else envelope.pack_flow_ack_into(dev.tx_tail, 0, flow_ack)
-        # every segment's link body is the same size: a longer header, less payload
-        return self._send_segments(src, start, count, last_len, ends, segment.TAGGED_PREFIX_LEN + self.max_data)
+        return self._send_segments(src, start, count, last_len, ends, segment.UNTAGGED_PREFIX_LEN + seg)
 
     def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool, stride: int) -> int:
         """The bodies of the segments whose headers ``dev.tx_segments`` holds,

@@ -413,10 +413,10 @@ class _Q0Msg:
     """A queue-0 message (Send, or Immediate Data when ``gather`` is None) kept
     until the receiver accepts it, so a receiver-not-ready NACK can have it re-sent."""
 
-    __slots__ = ("msn", "wr", "gather", "opcode", "inv_stag", "flags", "imm", "sent")
+    __slots__ = ("msn", "wr", "gather", "opcode", "inv_stag", "flags", "imm", "sent", "seg")
 
     def __init__(self, msn: int, wr: OutWR, gather: _Gather | None, opcode: int, inv_stag: int = 0,
-                 flags: int = 0, imm: int = 0) -> None:
+                 flags: int = 0, imm: int = 0, seg: int = 0) -> None:
         self.msn = msn  # unwrapped; the wire carries msn & 0xFFFFFFFF
         self.wr = wr
         self.gather = gather
@@ -425,6 +425,7 @@ class _Q0Msg:
         self.flags = flags
         self.imm = imm
         self.sent = 0
+        self.seg = seg  # each segment's payload (PeerLink.segment_size); 0: as many as fit
 
 
 class _PendingAtomic:
@@ -820,8 +821,13 @@ class QueuePair:
             # Immediate Data that completes the same receive (envelope IMM_FOLLOWS).
             inv = opcode == WrOpcode.IBV_WR_SEND_WITH_INV
             with_imm = opcode == WrOpcode.IBV_WR_SEND_WITH_IMM
+            # A stream's Send may be cut evenly, unless we owe the peer a
+            # Modified ACK: its last segment should carry it, and in an
+            # equal cut the trailer does not fit (_send_q0_segments).
+            stream = len(self.outstanding) > 1 and not self.flow_ack_due
+            seg = self.link.segment_size(gather.total, stream, untagged=True)  # type: ignore[union-attr]
             self._queue_q0(_Q0Msg(self.send_msn, wr, gather, _SEND_OPCODE[inv, solicited and not with_imm],
-                                  imm if inv else 0, _IMM_FOLLOWS if with_imm else 0))
+                                  imm if inv else 0, _IMM_FOLLOWS if with_imm else 0, seg=seg))
             if with_imm:
                 self._queue_q0(_Q0Msg(self.send_msn, wr, None,
                                       Opcode.IMMEDIATE_DATA_SE if solicited else Opcode.IMMEDIATE_DATA, imm=imm))
@@ -1084,7 +1090,8 @@ class QueuePair:
 
     def _send_q0_segments(self, max_data: int, room: int, lane: bool) -> int:
         """Send the next segments (at most ``room``) of the queue-0 message at
-        the cursor; return how many."""
+        the cursor, each ``max_data`` bytes (or the message's own cut); return
+        how many."""
         m = self.q0[self.q0_cursor]
         if m.gather is None:
             self._send_untagged(m.opcode, m.msn, rdmap.encode_immediate_data(m.imm))
@@ -1093,6 +1100,10 @@ class QueuePair:
         assert self.link is not None
         total = m.gather.total
         remaining = total - m.sent
+        # The Modified ACK trailer rides on the last segment when it fits
+        # in the cut: an evenly cut run's datagrams are all one size, and a
+        # longer last one would be cut wrongly by UDP_SEGMENT.
+        max_data = m.seg or max_data
         if lane and remaining > max_data:
             # Two segments or more: the run within the current SGE goes
             # through the compiled send lane, as a Write's does.
@@ -1105,7 +1116,7 @@ class QueuePair:
                 carry = ends and self.flow_ack_due and last_len + _FLOW_ACK_LEN <= max_data
                 self.link.send_untagged_run(m.opcode, self.dest_qpn, self.qpn, m.msn & _U32, m.sent, m.inv_stag,
                                             m.flags | _FLOW_ACK if carry else m.flags, view, base + g.off, k,
-                                            last_len, ends, self.rx_msn if carry else None)
+                                            max_data, last_len, ends, self.rx_msn if carry else None)
                 nbytes = (k - 1) * max_data + last_len
                 g.skip(nbytes)
                 m.sent += nbytes

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from udpverbs.daemon.device import EQUAL_EXTRA, GSO_MAX_BYTES, GSO_MAX_SEGMENTS, equal_segment_size
-from udpverbs.wire import link as wire_link, segment
+from udpverbs.wire import envelope, link as wire_link, segment
 from udpverbs.wire.shm import WcStatus as W, WrOpcode
 
 from .test_batching import Host, complete, connected
@@ -49,15 +49,27 @@ def test_a_streams_message_is_cut_evenly_where_two_can_share_a_send(total: int, 
     assert equal_segment_size(total, max_data, OVERHEAD) == seg
 
 
-@given(total=st.integers(0, 1 << 23), max_data=st.integers(1, 65000))
-def test_equal_segments_stay_within_max_data_the_extra_and_one_send_for_two(total: int, max_data: int) -> None:
-    seg = equal_segment_size(total, max_data, OVERHEAD)
+@pytest.mark.parametrize(("total", "seg"), [
+    (2048, 1024),  # halves: no datagram added
+    (2889, 963),
+    (4096, 1414),  # quarters would add one: a Send's cut stays
+    (8192, 1414),
+])
+def test_a_sends_even_cut_adds_no_datagram(total: int, seg: int) -> None:
+    overhead = wire_link.OVERHEAD + segment.UNTAGGED_PREFIX_LEN
+    assert equal_segment_size(total, 1414, overhead, 0) == seg  # 1414: an untagged max_data at MTU 1472
+
+
+@given(total=st.integers(0, 1 << 23), max_data=st.integers(1, 65000), extra=st.sampled_from([0, EQUAL_EXTRA]))
+def test_equal_segments_stay_within_max_data_the_extra_and_one_send_for_two(total: int, max_data: int,
+                                                                            extra: int) -> None:
+    seg = equal_segment_size(total, max_data, OVERHEAD, extra)
     fewest = -(-total // max_data)
     assert 0 < seg <= max_data
     if seg == max_data:
         return
     n = total // seg
-    assert n * seg == total and fewest <= n <= fewest + EQUAL_EXTRA
+    assert n * seg == total and fewest <= n <= fewest + extra
     assert 2 * n <= GSO_MAX_SEGMENTS and 2 * (total + n * OVERHEAD) <= GSO_MAX_BYTES
     assert all(total % m for m in range(fewest, n))  # the fewest that divide it
 
@@ -69,10 +81,12 @@ class RecordingSocket:
         self._sock = sock
         self.sizes: list[int] = []  # every datagram, as the kernel cuts a UDP_SEGMENT send
         self.calls = 0  # system calls that carried data (datagrams over 200 bytes)
+        self.log: list[Any] = []
 
     def sendto(self, data: Any, addr: Any) -> int:
         self.sizes.append(len(data))
         self.calls += len(data) > 200
+        self.log.append(len(data))
         return self._sock.sendto(data, addr)
 
     def sendmsg(self, buffers: list[Any], anc: list[Any], flags: int, addr: Any) -> int:
@@ -80,6 +94,7 @@ class RecordingSocket:
         total = sum(len(b) for b in buffers)
         self.sizes += [min(size, total - at) for at in range(0, total, size)]
         self.calls += size > 200
+        self.log.append((size, [len(b) for b in buffers]))
         return self._sock.sendmsg(buffers, anc, flags, addr)
 
     def __getattr__(self, name: str) -> Any:
@@ -186,3 +201,58 @@ async def test_a_stream_of_read_responses_is_cut_evenly(native: bool) -> None:
         # the lane, whose requests come in the dispatch budget's parts of
         # 8) at most the first of the second part.
         assert uneven in ([0], [0, 8])
+
+
+def _send_payloads(rec: RecordingSocket) -> list[int]:
+    """As ``_payloads``, for untagged (Send) segments, a Modified ACK trailer included."""
+    return [n - wire_link.OVERHEAD - segment.UNTAGGED_PREFIX_LEN for n in rec.sizes if n > 200]
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_a_stream_of_sends_is_cut_evenly_unless_it_owes_a_modified_ack(native: bool) -> None:
+    # A owes B a Modified ACK (B's Send reached A) when it takes four Sends
+    # of its own: 2,828 bytes (two full segments: no room for the ACK's
+    # trailer), then three of 2,048.  The first is alone (full-size cut).
+    # The second is a stream's but still owes the ACK: cut as before, its
+    # last segment carrying it.  The last two, owing nothing, are cut into
+    # halves (a Send takes no extra datagram for an even cut).  With the
+    # send lane or without, every byte lands.
+    a = Host("127.0.0.2", gso=True, native=native)
+    b = Host("127.0.0.3", gso=True, native=native)
+    async with connected(a, b) as (a, b):
+        if not (a.dev.gso and b.dev.gro):
+            pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
+        max_data = a.qp.link.max_data - (segment.UNTAGGED_PREFIX_LEN - segment.TAGGED_PREFIX_LEN)
+        assert max_data == 1414  # the test's arithmetic is for MTU 1472
+        # a stream's 4 KiB Write is cut in quarters, a Send not (a datagram more)
+        link = a.qp.link
+        assert (link.segment_size(4096, True), link.segment_size(4096, True, untagged=True)) == (1024, 1414)
+        assert link.segment_size(2048, False, untagged=True) == 1414  # alone
+        rng = random.Random(3)
+        a.mr.view[:16384] = rng.randbytes(16384)
+        b.mr.view[:100] = rng.randbytes(100)
+        a.post_recv(50, 300_000, 100)
+        b.post_write(60, 0, 100, a, 0, opcode=WrOpcode.IBV_WR_SEND)
+        b.dev.poll_once()  # B's Send leaves; A takes it in its next pass, before its own WRs
+        sizes = [2828, 2048, 2048, 2048]
+        at = [0, 2828, 2828 + 2048, 2828 + 2 * 2048]
+        for i in range(4):
+            b.post_recv(100 + i, 100_000 + 8192 * i, 4096)
+        rec = _record(a)
+        try:
+            for i, n in enumerate(sizes):
+                a.post_write(i, at[i], n, b, 0, opcode=WrOpcode.IBV_WR_SEND)
+            done = complete(a, b, 5)
+        finally:
+            _restore((a, rec))
+        assert sorted(done) == [(i, W.IBV_WC_SUCCESS) for i in range(4)] + [(50, W.IBV_WC_SUCCESS)]
+        assert bytes(a.mr.view[300_000:300_100]) == bytes(b.mr.view[:100])
+        for i, n in enumerate(sizes):
+            assert bytes(b.mr.view[100_000 + 8192 * i:100_000 + 8192 * i + n]) == bytes(a.mr.view[at[i]:at[i] + n])
+        assert _send_payloads(rec) == [1414, 1414] + [1414, 634 + envelope.FLOW_ACK_LEN] + [1024] * 4
+        assert a.dev.stats["flow_ack_carried"] == 1
+        if native:
+            half = 1024 + wire_link.OVERHEAD + segment.UNTAGGED_PREFIX_LEN
+            # bursts of two messages' halves share a send (where a pass's
+            # budget ends may split a message's run)
+            assert any(type(e) is tuple and e[0] == half and len(e[1]) > 1 for e in rec.log), rec.log
