@@ -42,7 +42,8 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
     receives a Host's QP holds, posted in advance), and answer its Reads of
     ``reads`` bytes."""
     rng = random.Random(seed)
-    fast, slow = (Host("127.0.0.2", gso=False, mtu=mtu, native=on) for on in (True, False))
+    # GSO on: a stream's messages are cut evenly where that pays (equal_segment_size)
+    fast, slow = (Host("127.0.0.2", gso=True, mtu=mtu, native=on) for on in (True, False))
     peer = Host("127.0.0.3", gso=False, mtu=mtu, native=True)
     clock, pp, pf, ps = _twins(peer, fast, slow)
     fast.mr.view[:] = slow.mr.view[:] = rng.randbytes(MR_LEN)
