@@ -326,8 +326,9 @@ def equal_segment_size(total: int, max_data: int, overhead: int, extra: int = EQ
     in quarters saved the sender as much system time as its fourth datagram
     cost in Python (send_bw -s 4096 unchanged; -s 2048, in halves, 45.5 ->
     51.4 MB/s over 10 rounds), so a Send is cut evenly only over the
-    fewest segments.  (DDP leaves the cutting to the sender, each segment within the
-    MULPDU, RFC 5041 §5.2; the receiver places each by its offset.)
+    fewest segments.  (DDP leaves the cutting to the sender, each segment
+    within the MULPDU, RFC 5041 §5.2; the receiver places each by its
+    offset.)
     """
     k = -(-total // max_data)
     if 1 < k and 2 * k <= GSO_MAX_SEGMENTS:
