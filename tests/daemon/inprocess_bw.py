@@ -71,13 +71,13 @@ async def main(mtu: int, total: int, native: bool, nqp: int, depth: int, send: b
                 for wr_id, _ in b.completions():
                     b.post_recv(wr_id, 0, size)  # the receive that took a Send, posted again
         elapsed = time.perf_counter() - start
-        stats = b.dev.dump_stats()
+        stats, sent = b.dev.dump_stats(), a.dev.dump_stats()
         datagrams = stats.get("link_datagrams_received", 0)
         print(f"{'send' if send else 'write'} mtu {mtu} qps {nqp} native={b.dev.native is not None}: {n * size / elapsed / 1e6:.1f} MB/s; "
               f"per datagram sender {t_send / datagrams * 1e6:.2f} us, receiver {t_recv / datagrams * 1e6:.2f} us; "
-              f"lanes took {a.dev.dump_stats().get('tx_native_datagrams', 0)} sent and "
+              f"lanes took {sent.get('tx_native_datagrams', 0)} sent and "
               f"{stats.get('rx_native_datagrams', 0)} received of {datagrams}; "
-              f"{a.dev.dump_stats().get('tx_gso_sends', 0)} sends")
+              f"{sent.get('tx_gso_sends', 0)} sends")
     finally:
         a.close()
         b.close()

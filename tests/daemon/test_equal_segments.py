@@ -74,45 +74,58 @@ def test_equal_segments_stay_within_max_data_the_extra_and_one_send_for_two(tota
     assert all(total % m for m in range(fewest, n))  # the fewest that divide it
 
 
-class RecordingSocket:
-    """The device's socket, passed through; records each datagram's size as it leaves."""
+class WireTap:
+    """The device's socket, passed through; records each send as it leaves:
+    a ``sendto``'s datagram size, or a UDP_SEGMENT ``sendmsg``'s segment
+    size and buffer sizes."""
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
-        self.sizes: list[int] = []  # every datagram, as the kernel cuts a UDP_SEGMENT send
-        self.calls = 0  # system calls that carried data (datagrams over 200 bytes)
-        self.log: list[Any] = []
+        self.log: list[int | tuple[int, list[int]]] = []
 
     def sendto(self, data: Any, addr: Any) -> int:
-        self.sizes.append(len(data))
-        self.calls += len(data) > 200
         self.log.append(len(data))
         return self._sock.sendto(data, addr)
 
     def sendmsg(self, buffers: list[Any], anc: list[Any], flags: int, addr: Any) -> int:
-        size = int.from_bytes(anc[0][2], "little")
-        total = sum(len(b) for b in buffers)
-        self.sizes += [min(size, total - at) for at in range(0, total, size)]
-        self.calls += size > 200
-        self.log.append((size, [len(b) for b in buffers]))
+        self.log.append((int.from_bytes(anc[0][2], "little"), [len(b) for b in buffers]))
         return self._sock.sendmsg(buffers, anc, flags, addr)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
 
+    @property
+    def sizes(self) -> list[int]:
+        """Every datagram, as the kernel cuts a UDP_SEGMENT send."""
+        out: list[int] = []
+        for e in self.log:
+            if type(e) is int:
+                out.append(e)
+            else:
+                size, total = e[0], sum(e[1])  # type: ignore[index]
+                out += [min(size, total - at) for at in range(0, total, size)]
+        return out
 
-def _payloads(rec: RecordingSocket) -> list[int]:
-    """The DDP payload of each tagged data segment that left (ACKs and other short datagrams left out)."""
-    return [n - wire_link.OVERHEAD - segment.TAGGED_PREFIX_LEN for n in rec.sizes if n > 200]
+    @property
+    def calls(self) -> int:
+        """System calls that carried data (datagrams over 200 bytes)."""
+        return sum((e if type(e) is int else e[0]) > 200 for e in self.log)  # type: ignore[index, operator]
 
 
-def _record(h: Host) -> RecordingSocket:
-    rec = RecordingSocket(h.dev.sock)
+def _payloads(rec: WireTap, prefix: int = segment.TAGGED_PREFIX_LEN) -> list[int]:
+    """The DDP payload of each data segment that left, ``prefix`` its DDP/RDMAP
+    header (tagged by default; a Modified ACK trailer counts as payload);
+    ACKs and other short datagrams left out."""
+    return [n - wire_link.OVERHEAD - prefix for n in rec.sizes if n > 200]
+
+
+def _record(h: Host) -> WireTap:
+    rec = WireTap(h.dev.sock)
     h.dev.sock = rec  # type: ignore[assignment]
     return rec
 
 
-def _restore(*recs: tuple[Host, RecordingSocket]) -> None:
+def _restore(*recs: tuple[Host, WireTap]) -> None:
     for h, rec in recs:
         h.dev.sock = rec._sock  # type: ignore[assignment]
 
@@ -203,11 +216,6 @@ async def test_a_stream_of_read_responses_is_cut_evenly(native: bool) -> None:
         assert uneven in ([0], [0, 8])
 
 
-def _send_payloads(rec: RecordingSocket) -> list[int]:
-    """As ``_payloads``, for untagged (Send) segments, a Modified ACK trailer included."""
-    return [n - wire_link.OVERHEAD - segment.UNTAGGED_PREFIX_LEN for n in rec.sizes if n > 200]
-
-
 @pytest.mark.parametrize("native", [True, False])
 async def test_a_stream_of_sends_is_cut_evenly_unless_it_owes_a_modified_ack(native: bool) -> None:
     # A owes B a Modified ACK (B's Send reached A) when it takes four Sends
@@ -249,7 +257,7 @@ async def test_a_stream_of_sends_is_cut_evenly_unless_it_owes_a_modified_ack(nat
         assert bytes(a.mr.view[300_000:300_100]) == bytes(b.mr.view[:100])
         for i, n in enumerate(sizes):
             assert bytes(b.mr.view[100_000 + 8192 * i:100_000 + 8192 * i + n]) == bytes(a.mr.view[at[i]:at[i] + n])
-        assert _send_payloads(rec) == [1414, 1414] + [1414, 634 + envelope.FLOW_ACK_LEN] + [1024] * 4
+        assert _payloads(rec, segment.UNTAGGED_PREFIX_LEN) == [1414, 1414] + [1414, 634 + envelope.FLOW_ACK_LEN] + [1024] * 4
         assert a.dev.stats["flow_ack_carried"] == 1
         if native:
             half = 1024 + wire_link.OVERHEAD + segment.UNTAGGED_PREFIX_LEN
