@@ -50,7 +50,7 @@ async def run(cfg: dict[str, Any]) -> None:
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 await nursery.start(serve_control, device, path)
-                await nursery.start(device.run_data_path)
+                await nursery.start(device.loop.run)
                 log.info("udpverbsd %s: udp %s:%d, control %s, mtu %d, pid %d",
                          cfg["name"], ip, port, path, cfg["mtu"], os.getpid())
                 if cfg.get("ready_fd") is not None:

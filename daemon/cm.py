@@ -39,7 +39,8 @@ from ..wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S
 from .tables import TableError
 
 if TYPE_CHECKING:
-    from .device import Device, PeerLink
+    from .device import Device
+    from .peer import PeerLink
     from .qp import QueuePair
 
 log = logging.getLogger("udpverbs.daemon")
@@ -104,7 +105,7 @@ class ConnectionManager:
     def _send(self, pl: "PeerLink", msg: wcm.CmMessage) -> None:
         if pl.up:
             pl.send(envelope.encode(Kind.CM, envelope.CM_QPN, envelope.CM_QPN, wcm.encode(msg)))
-            self.device.wake()
+            self.device.loop.wake()
 
     # -- from the network (called by the data path) ---------------------------------
     def on_message(self, pl: "PeerLink", body: memoryview) -> None:
@@ -219,7 +220,7 @@ class ConnectionManager:
             self.disconnect(qp)
             if qp.state != S.IBV_QPS_ERR:
                 qp.set_state(S.IBV_QPS_ERR)
-            self.device.wake()
+            self.device.loop.wake()
             return ctl.encode_reply(Op.CM_DISCONNECT)
         raise TableError(errno.EOPNOTSUPP, op.name)
 

@@ -21,7 +21,10 @@ import os
 import tomllib
 from typing import Any
 
+from ..transport.congestion.base import create as create_cc
+from ..transport.link import LinkConfig
 from ..wire import ctl
+from ..wire import link as wire_link
 from . import heap
 
 DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
@@ -167,11 +170,82 @@ def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> d
     Raises: ValueError on a bad value, OSError on an unreadable TOML file,
     SystemExit on bad flags unless ``exit_on_error`` is false.
     """
-    from .device import DeviceConfig, link_config  # the data path's imports, only when checking
-
     cfg = load(argv, exit_on_error=exit_on_error)
     if not isinstance(logging.getLevelName(str(cfg["log_level"]).upper()), int):
         raise ValueError(f"unknown log level {cfg['log_level']!r}; have DEBUG, INFO, WARNING, ERROR")
     link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"],
                              rx_dispatch_budget=cfg["rx_dispatch_budget"]))
     return cfg
+
+
+#: the daemon's defaults for LinkConfig.pacing_burst_packets and
+#: pacing_burst_s (see link_config)
+DAEMON_PACING_BURST_PACKETS = 32.0
+DAEMON_PACING_BURST_S = 1e-3
+#: the daemon's default for LinkConfig.min_rto_s.  The RTO estimator cannot
+#: see how long the peer's daemon left our datagrams in its socket (its echo
+#: leaves that out, for the delay signal), and on a loaded host a daemon
+#: may not run for several milliseconds: a few milliseconds gave spurious
+#: RTOs in bulk transfers, 20 ms none (Linux TCP uses 200 ms).
+DAEMON_MIN_RTO_S = 0.02
+
+
+class DeviceConfig:
+    """What a device is: name, UDP address, limits (filled from flags/TOML)."""
+
+    def __init__(self, *, name: str = "uv0", addr: str = "127.0.0.1", port: int = 18515,
+                 mtu: int = 1472, spin_us: float = 200.0, max_sleep_s: float = 0.25,
+                 max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
+                 max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
+                 seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
+                 gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8) -> None:
+        self.name = name
+        self.addr = addr
+        self.port = port
+        self.mtu = check_mtu(mtu)
+        self.spin_s = spin_us * 1e-6
+        self.max_sleep_s = max_sleep_s
+        self.max_qp = max_qp
+        self.max_cq = max_cq
+        self.max_mr = max_mr
+        self.max_pd = max_pd
+        self.max_qp_wr = max_qp_wr
+        self.max_cqe = max_cqe
+        self.max_qp_rd_atom = max_qp_rd_atom
+        self.seed = seed
+        self.cc = cc
+        self.link = dict(link or {})
+        self.gso = gso
+        #: the compiled lanes for tagged segments, receive and send (wire/native.py)
+        self.native = native
+        if rx_dispatch_budget < 0:
+            raise ValueError("rx_dispatch_budget must be 0 (no limit) or more")
+        #: the most datagrams of one GRO buffer that go through the Python
+        #: path in one pass (0: no limit); the rest wait for the next pass,
+        #: so that the answers to the first leave before the rest are worked
+        #: through (see receive.py)
+        self.rx_dispatch_budget = rx_dispatch_budget
+
+
+def link_config(config: DeviceConfig) -> LinkConfig:
+    """The LinkConfig of a device: MTU and congestion control, plus ``--link`` overrides.
+
+    Raises:
+        ValueError: an unknown LinkConfig field or a value of the wrong type.
+    """
+    # The pacer's burst must cover the time between two passes of the data
+    # loop, in which the pacer's rate would release many packets: a 2-packet
+    # burst (LinkConfig's default, right for a sender that can act every
+    # microsecond) capped a 1472-byte Write stream at a few packets per
+    # pass, and a fixed 32 packets capped it with long passes.  So the burst
+    # is also a time: 1 ms at the pacing rate.
+    lc = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD, cc=config.cc,
+                    pacing_burst_packets=DAEMON_PACING_BURST_PACKETS, pacing_burst_s=DAEMON_PACING_BURST_S,
+                    min_rto_s=DAEMON_MIN_RTO_S)
+    create_cc(config.cc, config.mtu)  # raises ValueError for an unknown name, now rather than per link
+    for key, value in config.link.items():
+        if key not in LinkConfig.__dataclass_fields__ or key in ("cc_params",):
+            raise ValueError(f"unknown link setting {key!r}")
+        current = getattr(lc, key)
+        setattr(lc, key, type(current)(value) if not isinstance(current, bool) else str(value) == "true")
+    return lc

@@ -38,7 +38,8 @@ from ..wire.errors import WireError
 from ..wire.shm import AccessFlags, QPAttrMask as M, QPState as S, QPType, SrqAttrMask
 from . import tables
 from .device import Device
-from .qp import CompChannel, CompletionQueue, QueuePair, SharedReceiveQueue
+from .cq import CompChannel, CompletionQueue, SharedReceiveQueue
+from .qp import QueuePair
 from .tables import TableError
 
 log = logging.getLogger("udpverbs.daemon")
@@ -138,7 +139,7 @@ class Session:
         # The daemon's CPU time so far, all its threads (what `udpverbs perf
         # --cpu_util` turns into a share of one CPU over a run).  getrusage,
         # not os.times: the latter counts in clock ticks (10 ms), as long as
-        # a whole short run, which then showed 0% or 170%.
+        # a whole short run.
         t = resource.getrusage(resource.RUSAGE_SELF)
         stats["process_cpu_user_ms"] = int(t.ru_utime * 1000)
         stats["process_cpu_system_ms"] = int(t.ru_stime * 1000)
@@ -353,7 +354,7 @@ class Session:
             # Resizing is not supported (the app maps the ring at a fixed size).
             raise TableError(errno.EINVAL, "only IBV_SRQ_LIMIT can change, up to the SRQ's size")
         srq.limit = req.srq_limit
-        self.device.wake()
+        self.device.loop.wake()
         return ctl.encode_reply(Op.MODIFY_SRQ), []
 
     def op_query_srq(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
@@ -387,7 +388,7 @@ class Session:
         d = self.device
         d.sessions.discard(self)
         d.sessions_changed()
-        d.remove_doorbell(self.doorbell)
+        d.loop.remove_doorbell(self.doorbell)
         if d.cm is not None:
             d.cm.session_closed(self)
         for qpn in list(self.qps):
@@ -466,7 +467,7 @@ def modify_qp(qp: QueuePair, attr_mask: int, attrs: dict[str, Any]) -> None:
     if new != qp.state:
         qp.set_state(new)
     d.qp_changed(qp)
-    d.wake()
+    d.loop.wake()
 
 
 _MASK_FIELDS = (
@@ -504,8 +505,8 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
     sess = Session(device, conn, pid)
     device.sessions.add(sess)
     device.sessions_changed()
-    device.add_doorbell(sess.doorbell)
-    device.watch(conn.fileno())
+    device.loop.add_doorbell(sess.doorbell)
+    device.loop.watch(conn.fileno())
     try:
         while True:
             data, anc, flags, _ = await conn.recvmsg(ctl.MAX_CTL_MESSAGE, socket.CMSG_SPACE(ctl.MAX_FDS * 4))
@@ -524,10 +525,10 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
     except Exception:
         log.exception("session pid %d failed; tearing it down", pid)
     finally:
-        device.unwatch(conn.fileno())  # before the close: the fd number may be reused
+        device.loop.unwatch(conn.fileno())  # before the close: the fd number may be reused
         conn.close()
         sess.teardown()
-        device.wake()
+        device.loop.wake()
 
 
 async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> tuple[bytes, list[int]]:
@@ -598,7 +599,7 @@ async def serve_control(device: Device, path: str, task_status: Any = trio.TASK_
         os.umask(old_umask)
     os.chmod(path, 0o600)
     sock.listen(128)
-    device.watch(sock.fileno())
+    device.loop.watch(sock.fileno())
     try:
         async with trio.open_nursery() as nursery:
             task_status.started()
@@ -606,7 +607,7 @@ async def serve_control(device: Device, path: str, task_status: Any = trio.TASK_
                 conn, _ = await sock.accept()
                 nursery.start_soon(_session_task, device, conn)
     finally:
-        device.unwatch(sock.fileno())
+        device.loop.unwatch(sock.fileno())
         sock.close()
         try:
             os.unlink(path)

@@ -7,8 +7,8 @@ frames (up to 64 KiB) and frees it when the run is acknowledged; the
 receiving daemon allocates one per receive.  glibc gives memory at the top
 of the heap back to the kernel as soon as more than 128 KiB of it is free
 (``M_TRIM_THRESHOLD``), so a stream's buffers come back as fresh pages
-again and again, each touched page a minor fault (about 40,000 a second in
-a 64 KiB ``write_bw``, measured in the eighteenth round).  Raising the
+again and again, each touched page a minor fault (tens of thousands a
+second in a 64 KiB ``write_bw``).  Raising the
 threshold keeps up to ``keep_mb`` of freed memory in the heap, where the
 next buffers find it already mapped; ``M_TOP_PAD`` grows the heap in
 larger steps for the same reason.  The cost is memory: a daemon's resident

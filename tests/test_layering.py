@@ -41,7 +41,10 @@ def _imports(path: Path, layer: str) -> list[tuple[str, int]]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            found.append((name, node.lineno))
+            if node.module is None:  # from . import x, y: the modules are the names
+                found += [(f"{name}.{a.name}", node.lineno) for a in node.names]
+            else:
+                found.append((name, node.lineno))
     return found
 
 
@@ -58,3 +61,32 @@ def test_layer_imports_only_downward(layer: str, path: Path) -> None:
         if parts[0] == "udpverbs" and len(parts) > 1:
             assert parts[1] in ALLOWED[layer], f"{path}:{line} imports {name}"
         assert parts[0] not in FORBIDDEN_STDLIB.get(layer, ()), f"{path}:{line} imports {name} (sans-IO layer)"
+
+
+# --- the daemon's modules, in one direction --------------------------------
+# Each daemon module may import only modules before it in this list (the QP
+# engine never imports the device: it reaches it through ``ports``).  A new
+# module takes its place here, or this test fails.
+DAEMON_ORDER = [
+    "heap", "config", "tables", "opcodes", "records", "cq", "ports", "policy", "udp", "peer",
+    "completer", "responder", "requester", "qp",
+    "scheduler", "rxlane", "receive", "loop", "device",
+    "control", "cm", "__main__",
+]
+
+
+def _daemon_modules() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "daemon").glob("*.py") if p.stem != "__init__")
+
+
+def test_every_daemon_module_has_its_place_in_the_order() -> None:
+    assert sorted(DAEMON_ORDER) == _daemon_modules()
+
+
+@pytest.mark.parametrize("module", DAEMON_ORDER)
+def test_daemon_modules_import_only_modules_before_them(module: str) -> None:
+    earlier = set(DAEMON_ORDER[:DAEMON_ORDER.index(module)])
+    for name, line in _imports(ROOT / "daemon" / f"{module}.py", "daemon"):
+        parts = name.split(".")
+        if parts[:2] == ["udpverbs", "daemon"] and len(parts) > 2:
+            assert parts[2] in earlier, f"daemon/{module}.py:{line} imports {name}, which comes later"

@@ -38,7 +38,8 @@ assert _ENV_TAGGED.size == TAGGED_PREFIX_LEN and _ENV_UNTAGGED.size == UNTAGGED_
 TO_AT = struct.calcsize(_ENV_TAGGED.format[:-1])  # 14
 MO_AT = struct.calcsize(_ENV_UNTAGGED.format[:-1])  # 22
 _DDP = int(Kind.DDP)
-_DDP_WORD = _DDP << 24
+#: the first envelope word of a DDP segment, without its destination QPN
+DDP_WORD = _DDP << 24
 _TN = tuple.__new__  # see rdmap._TN
 _CLASSIFY = rdmap._CLASSIFY
 _FLAGS_KNOWN = envelope._FLAGS_KNOWN
@@ -98,7 +99,7 @@ def pack_tagged_into(
     _check_qpns(dst_qpn, src_qpn)
     ctrl, rctl = rdmap.tagged_control(opcode, last)
     try:
-        _ENV_TAGGED.pack_into(buf, offset, _DDP_WORD | dst_qpn, src_qpn, ctrl, rctl, stag, to)
+        _ENV_TAGGED.pack_into(buf, offset, DDP_WORD | dst_qpn, src_qpn, ctrl, rctl, stag, to)
     except struct.error as e:
         raise ValueError(str(e)) from None
     return TAGGED_PREFIX_LEN
@@ -115,7 +116,7 @@ def tagged_packer(dst_qpn: int, src_qpn: int, opcode: int) -> Callable[[Any, boo
     _check_qpns(dst_qpn, src_qpn)
     more = rdmap.tagged_control(opcode, False)
     last_ctl = rdmap.tagged_control(opcode, True)
-    w0 = _DDP_WORD | dst_qpn
+    w0 = DDP_WORD | dst_qpn
     pack_into = _ENV_TAGGED.pack_into
 
     def pack(buf: Any, last: bool, stag: int, to: int) -> None:
@@ -149,7 +150,7 @@ def pack_untagged_into(
         raise ValueError(f"unknown envelope flags {flags:#x}")
     ctrl, rctl, qn = rdmap.untagged_control(opcode, last, inv_stag)
     try:
-        _ENV_UNTAGGED.pack_into(buf, offset, _DDP_WORD | dst_qpn, (flags << 24) | src_qpn, ctrl, rctl, inv_stag, qn,
+        _ENV_UNTAGGED.pack_into(buf, offset, DDP_WORD | dst_qpn, (flags << 24) | src_qpn, ctrl, rctl, inv_stag, qn,
                                 msn, mo)
     except struct.error as e:
         raise ValueError(str(e)) from None

@@ -1,8 +1,8 @@
 """The armed receive: the lane set up before its datagram comes.
 
 A device arms the compiled lane for the run its link's hint expects next
-(``Device._arm``) while it waits, and the next pass reads the socket and
-places the data in one compiled call (``Device._read_armed``).  It must
+(``Device.arm_lane``) while it waits, and the next pass reads the socket and
+places the data in one compiled call (``Receiver.read_armed``).  It must
 place exactly what the Python path would, take anything else the usual
 way, and never use a set-up that the tables moved under: a region gone or
 invalidated, a QP that left RTS.  Real sockets on loopback; each loop is
@@ -20,7 +20,7 @@ from udpverbs.daemon.control import modify_qp
 from udpverbs.wire import native
 from udpverbs.wire.shm import QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
 
-from .test_batching import Host, complete, connected
+from udpverbs.bench.inprocess import Host, complete, connected
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -31,14 +31,14 @@ def _armed(a: Host, b: Host) -> None:
     a.mr.view[:8] = b"first!!!"
     a.post_write(1, 0, 8, b, 0)
     assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
-    b.dev._arm(b.qp.link)
-    assert b.dev._armed is not None
+    b.dev.arm_lane(b.qp.link)
+    assert b.dev.lane.armed is not None
 
 
 async def _wait_readable(h: Host) -> None:
     """Wait until ``h``'s socket has something to read."""
     for _ in range(200):
-        if h.dev._rx_epoll.poll(0):
+        if h.dev.udp.rx_epoll.poll(0):
             return
         await trio.sleep(0.001)
     raise AssertionError("nothing arrived")
@@ -54,14 +54,14 @@ async def test_an_armed_write_is_placed_by_the_read() -> None:
     async with connected() as (a, b):
         _armed(a, b)
         b.dev.poll_once()  # nothing to read: still armed
-        assert b.dev._armed is not None and b.dev.stats["rx_armed"] == 0
+        assert b.dev.lane.armed is not None and b.dev.stats["rx_armed"] == 0
         a.mr.view[100:164] = bytes(range(64))
         a.post_write(2, 100, 64, b, 4096)
         await _arrived(a, b)
         b.dev.poll_once()
         assert b.dev.stats["rx_armed"] == 1
         # used up; armed again only for the datagram after it
-        assert b.dev._armed is None or b.dev._armed[3] == b.qp.link.link.rcv_nxt
+        assert b.dev.lane.armed is None or b.dev.lane.armed[3] == b.qp.link.link.rcv_nxt
         assert bytes(b.mr.view[4096:4160]) == bytes(range(64))
         assert not any(b.mr.view[8:4096]) and not any(b.mr.view[4160:8192])
         assert complete(a, b, 1) == [(2, W.IBV_WC_SUCCESS)]
@@ -120,7 +120,7 @@ async def test_a_datagram_from_elsewhere_while_armed_is_judged_alone() -> None:
         _armed(a, b)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
             stranger.bind(("127.0.0.4", 0))
-            stranger.sendto(b"\x01" * 40, b.dev.sock.getsockname())
+            stranger.sendto(b"\x01" * 40, b.dev.udp.sock.getsockname())
             await _wait_readable(b)
             b.dev.poll_once()
         assert b.dev.stats["rx_armed"] == 1
@@ -145,8 +145,8 @@ async def test_an_armed_send_lands_in_its_receive_and_completes_it() -> None:
             a.mr.view[i:i + 5] = b"abcde"[i:] + b"!" * i
             a.post_write(10 + i, i, 5, b, 0, opcode=WrOpcode.IBV_WR_SEND)
             if i:
-                b.dev._arm(b.qp.link)
-                assert b.dev._armed is not None
+                b.dev.arm_lane(b.qp.link)
+                assert b.dev.lane.armed is not None
                 await _arrived(a, b)
             assert complete(a, b, 1) == [(10 + i, W.IBV_WC_SUCCESS)]
         assert b.dev.stats["rx_armed"] == 2
@@ -162,8 +162,8 @@ async def test_an_armed_read_response_completes_the_read() -> None:
             a.post_write(20 + i, 1024 + 16 * i, 16, b, 0, opcode=WrOpcode.IBV_WR_RDMA_READ)
             if i:
                 a.dev.poll_once()  # the request leaves: its Read heads the ORRQ
-                a.dev._arm(a.qp.link)
-                assert a.dev._armed is not None
+                a.dev.arm_lane(a.qp.link)
+                assert a.dev.lane.armed is not None
                 b.dev.poll_once()  # B answers
                 await _wait_readable(a)
             assert complete(a, b, 1) == [(20 + i, W.IBV_WC_SUCCESS)]
@@ -179,12 +179,12 @@ async def test_an_armed_read_of_a_batch_of_requests_keeps_the_pass_budget() -> N
     async with connected() as (a, b):
         for h in (a, b):
             h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
-        if not (a.dev.gso and b.dev.gro):
+        if not (a.dev.udp.gso and b.dev.udp.gro):
             pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
         a.post_write(0, 1024, 8, b, 64, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
         assert complete(a, b, 1) == [(0, W.IBV_WC_SUCCESS)]  # B's hint: atomic requests
-        b.dev._arm(b.qp.link)
-        assert b.dev._armed is not None
+        b.dev.arm_lane(b.qp.link)
+        assert b.dev.lane.armed is not None
         for i in range(16):
             a.post_write(1 + i, 2048 + 8 * i, 8, b, 64, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
         await _arrived(a, b)
@@ -192,7 +192,7 @@ async def test_an_armed_read_of_a_batch_of_requests_keeps_the_pass_budget() -> N
         b.dev.poll_once()
         assert b.dev.stats["rx_armed"] == armed + 1
         assert b.dev.stats["rx_native_requests"] - before == b.dev.config.rx_dispatch_budget == 8
-        assert b.dev._rx_rest is not None
+        assert b.dev.receiver.rest is not None
         done = complete(a, b, 16)
         assert done == [(1 + i, W.IBV_WC_SUCCESS) for i in range(16)]
         assert int.from_bytes(b.mr.view[64:72], "little") == 17

@@ -3,221 +3,44 @@
 Two real ``Device`` objects in one process, on loopback, with a QP each in
 RTS towards the other; the test posts RDMA Writes into the SQ ring by hand
 and turns both data loops (``poll_once``) itself, so nothing depends on
-scheduling.  The grouping rules of ``_send_segmented`` and its fallback are
+scheduling.  The grouping rules of ``UdpPort.send_segmented`` and its fallback are
 checked against a recording socket.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import os
 import random
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import trio
 
-from udpverbs.daemon import device as devmod
-from udpverbs.daemon import tables
-from udpverbs.daemon.control import Session, modify_qp
+from udpverbs.bench.inprocess import Host, complete, connected, establish
+from udpverbs.daemon import receive, udp
 from udpverbs.daemon.device import Device, DeviceConfig
-from udpverbs.daemon.qp import CompletionQueue, QueuePair
 from udpverbs.transport.link import Burst, one_per_datagram
 from udpverbs.transport.sockbuf import skb_truesize
-from udpverbs.wire import ctl, segment, shm
+from udpverbs.wire import segment
 from udpverbs.wire.rdmap import Opcode
-from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S, WcStatus as W, WrOpcode
-
-ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ | A.IBV_ACCESS_REMOTE_ATOMIC
-MR_LEN = 1 << 20
-
-
-class Host:
-    """One device with a PD, one MR and one QP (number 1)."""
-
-    QP_CAPS = {"max_send_wr": 64, "max_recv_wr": 4, "max_send_sge": 4, "max_recv_sge": 1, "max_inline_data": 0}
-
-    def __init__(self, ip: str, *, gso: bool, mtu: int = 1472, native: bool = True, rx_dispatch_budget: int = 8) -> None:
-        self.dev = Device(DeviceConfig(addr=ip, port=0, seed=hash(ip) & 0xFFFF, mtu=mtu, gso=gso, native=native,
-                                       rx_dispatch_budget=rx_dispatch_budget))
-        self.dev.bind()
-        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._ctl = trio.socket.from_stdlib_socket(a)
-        self.sess = Session(self.dev, self._ctl, pid=1)
-        b.close()
-        self.dev.sessions.add(self.sess)
-        pd = tables.ProtectionDomain(1, self.sess)
-        self._mr_fd, mm = shm.new_segment(MR_LEN, "batching")
-        self.mr = tables.MemoryRegion(1, pd, ALL, 0x100000, MR_LEN, mm)
-        self.dev.stags.register(self.mr)
-        self.cq = CompletionQueue(1, self.sess, 256, None)
-        self.qp = QueuePair(self.dev, 1, self.sess, pd, self.cq, self.cq, dict(self.QP_CAPS), False)
-        self.dev.qps[1] = self.qp
-        self.more_qps: list[QueuePair] = []  # qp_pairs'
-        self._spares: list[tables.MemoryRegion] = []
-
-    def close(self) -> None:
-        """Release the device's sockets and the rings' and region's mappings."""
-        self.dev.close()
-        self.dev.stags.invalidate(self.mr.stag)
-        self.mr.close()
-        os.close(self._mr_fd)
-        for mr in self._spares:
-            self.dev.stags.invalidate(mr.stag)
-            mr.close()
-        for qp in (self.qp, *self.more_qps):
-            qp.close()
-        self.cq.close()
-        os.close(self._ctl.detach())  # a trio socket closes only inside trio.run
-
-    def connect(self, peer: "Host", qp: QueuePair | None = None, dest_qpn: int = 1) -> None:
-        """Take ``qp`` (default: QP 1) to RTS towards QP ``dest_qpn`` on ``peer``."""
-        qp = qp or self.qp
-        attrs = dict(qp.attrs, qp_state=S.IBV_QPS_INIT, qp_access_flags=ALL)
-        modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_PKEY_INDEX | M.IBV_QP_PORT | M.IBV_QP_ACCESS_FLAGS, attrs)
-        attrs.update(qp_state=S.IBV_QPS_RTR, dgid=ctl.gid_from_ip(peer.dev.config.addr), dlid=peer.dev.config.port,
-                     dest_qp_num=dest_qpn, max_dest_rd_atomic=1)
-        modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_AV | M.IBV_QP_PATH_MTU | M.IBV_QP_DEST_QPN | M.IBV_QP_RQ_PSN
-                  | M.IBV_QP_MAX_DEST_RD_ATOMIC | M.IBV_QP_MIN_RNR_TIMER, attrs)
-        attrs.update(qp_state=S.IBV_QPS_RTS, max_rd_atomic=1)
-        modify_qp(qp, M.IBV_QP_STATE | M.IBV_QP_SQ_PSN | M.IBV_QP_TIMEOUT | M.IBV_QP_RETRY_CNT | M.IBV_QP_RNR_RETRY
-                  | M.IBV_QP_MAX_QP_RD_ATOMIC, attrs)
-
-    def spare_stag(self) -> int:
-        """Register another region (a page, local access) in our PD, for a Send to invalidate; return its STag."""
-        fd, mm = shm.new_segment(4096, "spare")
-        os.close(fd)
-        mr = tables.MemoryRegion(2 + len(self._spares), self.mr.pd, A.IBV_ACCESS_LOCAL_WRITE, 0x900000, 4096, mm)
-        self.dev.stags.register(mr)
-        self._spares.append(mr)
-        return mr.stag
-
-    def post_write(self, wr_id: int, src_off: int, length: int, peer: "Host", dst_off: int,
-                   rkey: int | None = None, *, sges: list[tuple[int, int]] | None = None,
-                   opcode: WrOpcode = WrOpcode.IBV_WR_RDMA_WRITE, qp: QueuePair | None = None,
-                   imm: int = 0, compare_add: int = 0, swap: int = 0,
-                   local: tables.MemoryRegion | None = None, inline: bool = False) -> None:
-        """RDMA Write of ``length`` bytes from our MR at ``src_off`` to ``peer``'s at ``dst_off``
-        (``rkey`` overrides the peer MR's STag; ``sges``, (offset, length) pairs
-        in our MR, replace ``src_off`` and ``length``; ``opcode`` RDMA Read: from
-        the peer's MR into ours; ``qp``: another of our QPs than QP 1; ``imm``:
-        the WQE's immediate data or, for a Send with Invalidate, the STag;
-        ``compare_add``, ``swap``: an atomic's operands; ``local``: the
-        region of ours the SGEs are in, instead of our MR; ``inline``: the
-        bytes go in the WQE, as ``IBV_SEND_INLINE`` posts them)."""
-        ring = (qp or self.qp).sq
-        ring.prod = ring.hdr.producer
-        at = ring.next_slot_offset()
-        sges = sges or [(src_off, length)]
-        flags = shm.SendFlags.IBV_SEND_SIGNALED | (shm.SendFlags.IBV_SEND_INLINE if inline else 0)
-        shm.SEND_WQE_HEAD.pack_into(ring.buf, at, wr_id, peer.mr.addr + dst_off, int(opcode), int(flags),
-                                    0 if inline else len(sges), imm, peer.mr.stag if rkey is None else rkey,
-                                    length if inline else 0, compare_add, swap)
-        mr = local or self.mr
-        if inline:
-            ring.buf[at + shm.SEND_WQE_SG_OFFSET:at + shm.SEND_WQE_SG_OFFSET + length] = \
-                mr.view[src_off:src_off + length]
-        for i, (off, n) in enumerate(sges if not inline else []):
-            shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET + i * shm.SGE_SIZE, mr.addr + off, n, mr.stag)
-        ring.push()
-        ring.publish()
-
-    def post_recv(self, wr_id: int, off: int, length: int, qp: QueuePair | None = None,
-                  local: tables.MemoryRegion | None = None) -> None:
-        """A receive of ``length`` bytes into our MR at ``off`` (``qp``: another of our QPs than QP 1;
-        ``local``: another region of ours than our MR, by its registration whatever has become of it since)."""
-        mr = local or self.mr
-        rq = (qp or self.qp).recv_ring
-        rq.prod = rq.hdr.producer
-        at = rq.next_slot_offset()
-        shm.RECV_WQE_HEAD.pack_into(rq.buf, at, wr_id, 1)
-        shm.SGE.pack_into(rq.buf, at + shm.RECV_WQE_SG_OFFSET, mr.addr + off, length, mr.stag)
-        rq.push()
-        rq.publish()
-
-    def cqes(self) -> list[tuple[int, ...]]:
-        """The CQEs our CQ holds, every field, taken off the ring."""
-        ring, out = self.cq.ring, []
-        while ring.available():
-            out.append(shm.CQE.unpack_from(ring.buf, ring.slot_offset()))
-            ring.pop()
-        return out
-
-    def completions(self) -> list[tuple[int, int]]:
-        """``(wr_id, status)`` of each CQE ``cqes`` takes."""
-        return [(c[0], c[1]) for c in self.cqes()]
-
-
-def qp_pairs(a: Host, b: Host, n: int) -> list[tuple[QueuePair, QueuePair]]:
-    """QP 1 and QPs 2..n on both hosts (same PD, CQ and region as QP 1), connected pairwise."""
-    pairs = [(a.qp, b.qp)]
-    for qpn in range(2, n + 1):
-        qa, qb = (QueuePair(h.dev, qpn, h.sess, h.qp.pd, h.cq, h.cq, dict(Host.QP_CAPS), False) for h in (a, b))
-        a.dev.qps[qpn], b.dev.qps[qpn] = qa, qb
-        a.more_qps.append(qa)
-        b.more_qps.append(qb)
-        pairs.append((qa, qb))
-    for qa, qb in pairs:
-        a.connect(b, qa, qb.qpn)
-        b.connect(a, qb, qa.qpn)
-    return pairs
-
-
-async def establish(a: Host, b: Host) -> None:
-    """Turn both loops until the link between ``a`` and ``b`` is up."""
-    for _ in range(300):  # the link handshake: real sockets, so give the datagrams a moment
-        a.dev.poll_once()
-        b.dev.poll_once()
-        if a.qp.link.link.state == b.qp.link.link.state == a.qp.link.link.state.ESTABLISHED:
-            return
-        await trio.sleep(0.001)
-    raise AssertionError("the link did not come up")
-
-
-@contextlib.asynccontextmanager
-async def connected(a: Host | None = None, b: Host | None = None) -> AsyncIterator[tuple[Host, Host]]:
-    """QP 1 of ``a`` and of ``b`` (default: hosts on 127.0.0.2 and 127.0.0.3,
-    with GSO) connected to each other, the link up; both closed afterwards."""
-    a = a or Host("127.0.0.2", gso=True)
-    b = b or Host("127.0.0.3", gso=True)
-    try:
-        a.connect(b)
-        b.connect(a)
-        await establish(a, b)
-        yield a, b
-    finally:
-        a.close()
-        b.close()
+from udpverbs.wire.shm import QPState as S, WcStatus as W, WrOpcode
 
 
 def record_lane_calls(dev: Device) -> list[int]:
-    """From now on, what each of ``dev``'s compiled-lane calls (``_place_run``) consumed, in bytes."""
+    """From now on, what each of ``dev``'s compiled-lane calls (``ReceiveLane.place_run``) consumed, in bytes."""
     calls: list[int] = []
-    place_run = dev._place_run
+    if dev.lane is None:
+        return calls  # no lane: no calls
+    place_run = dev.lane.place_run
 
     def counted(*args: Any) -> int:
         used = place_run(*args)
         calls.append(used)
         return used
 
-    dev._place_run = counted  # type: ignore[method-assign]
+    dev.lane.place_run = counted  # type: ignore[method-assign,union-attr]
     return calls
-
-
-def complete(a: Host, b: Host, count: int, passes: int = 2000) -> list[tuple[int, int]]:
-    """Turn both loops until A has ``count`` completions or more (real
-    sockets: at most ``passes`` turns); return them, in order."""
-    done: list[tuple[int, int]] = []
-    for _ in range(passes):
-        a.dev.poll_once()
-        b.dev.poll_once()
-        done += a.completions()
-        if len(done) >= count:
-            break
-    return done
 
 
 async def _write_and_check(*, gso: bool, mtu: int, length: int) -> tuple[Host, Host]:
@@ -243,7 +66,7 @@ async def _write_and_check(*, gso: bool, mtu: int, length: int) -> tuple[Host, H
 
 async def test_a_write_crosses_in_gso_batches_and_arrives_byte_exact() -> None:
     a, b = await _write_and_check(gso=True, mtu=1472, length=300_000)
-    if not (a.dev.gso and b.dev.gro):
+    if not (a.dev.udp.gso and b.dev.udp.gro):
         pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
     assert a.dev.stats["tx_gso_sends"] > 0
     assert b.dev.stats["rx_gro_batches"] > 0  # several datagrams arrived in one receive
@@ -252,7 +75,7 @@ async def test_a_write_crosses_in_gso_batches_and_arrives_byte_exact() -> None:
 
 async def test_without_gso_every_datagram_is_its_own_system_call() -> None:
     a, b = await _write_and_check(gso=False, mtu=1472, length=100_000)
-    assert not a.dev.gso and not b.dev.gro
+    assert not a.dev.udp.gso and not b.dev.udp.gro
     assert a.dev.stats["tx_gso_sends"] == 0 and b.dev.stats["rx_gro_batches"] == 0
 
 
@@ -269,7 +92,7 @@ async def test_a_batch_of_requests_is_answered_in_parts(budget: int, parts: list
         h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
     b.mr.view[:16 * 64] = bytes(range(256)) * 4
     await establish(a, b)
-    if not (a.dev.gso and b.dev.gro):
+    if not (a.dev.udp.gso and b.dev.udp.gro):
         pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
     for i in range(16):
         a.post_write(i, 4096 + 64 * i, 2, b, 64 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
@@ -316,7 +139,7 @@ async def test_a_bad_request_in_a_batch_ends_it_alike(native: bool) -> None:
         h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
     try:
         await establish(a, b)
-        if not (a.dev.gso and b.dev.gro):
+        if not (a.dev.udp.gso and b.dev.udp.gro):
             pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
         for i in range(16):
             a.post_write(i, 4096 + 64 * i, 2, b, 64 * i, b.mr.stag + (1 << 8) if i in (5, 7) else None,
@@ -345,7 +168,7 @@ async def test_a_batch_of_small_read_responses_completes_alike(native: bool, sin
     async with connected(a) as (a, b):
         for h in (a, b):
             h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
-        if not (a.dev.gso and a.dev.gro):
+        if not (a.dev.udp.gso and a.dev.udp.gro):
             pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
         other = a.dev.stags.lookup(a.spare_stag())
         b.mr.view[:64] = bytes(range(64))
@@ -401,7 +224,7 @@ async def test_requests_queued_for_a_link_that_ended_are_dropped() -> None:
         pl.send_request(bytearray(54))
         pl.send_request(bytearray(54))
         pl.link.close(a.dev.now)
-        a.dev.flush_link(pl)  # no exception: the link's end fails its QPs instead
+        pl.flush()  # no exception: the link's end fails its QPs instead
         assert pl.requests == []
 
 
@@ -413,22 +236,22 @@ async def test_the_rest_of_a_batch_goes_with_its_link() -> None:
     for h in (a, b):
         h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
     await establish(a, b)
-    if not (a.dev.gso and b.dev.gro):
+    if not (a.dev.udp.gso and b.dev.udp.gro):
         pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
     for i in range(16):
         a.post_write(i, 4096 + 64 * i, 2, b, 64 * i, opcode=WrOpcode.IBV_WR_RDMA_READ)
     a.dev.poll_once()
     for _ in range(200):
         b.dev.poll_once()
-        if b.dev._rx_rest is not None:
+        if b.dev.receiver.rest is not None:
             break
         await trio.sleep(0.001)
-    assert b.dev._rx_rest is not None
-    pl = b.dev._rx_rest[0]
+    assert b.dev.receiver.rest is not None
+    pl = b.dev.receiver.rest[0]
     del b.dev.links[pl.addr]
     received = pl.link.stats.data_received
     b.dev.poll_once()
-    assert b.dev._rx_rest is None and pl.link.stats.data_received == received
+    assert b.dev.receiver.rest is None and pl.link.stats.data_received == received
     a.close()
     b.close()
 
@@ -439,7 +262,7 @@ def test_the_dispatch_budget_is_not_negative() -> None:
 
 
 class RecordingSocket:
-    """Stands in for the UDP socket in ``_send_segmented``: records each send."""
+    """Stands in for the UDP socket in ``UdpPort.send_segmented``: records each send."""
 
     def __init__(self, refuse_gso: bool = False, refuse_errno: int = errno.EIO) -> None:
         self.sends: list[tuple[str, list[bytes], int]] = []
@@ -454,7 +277,7 @@ class RecordingSocket:
         if self.refuse_gso:
             raise OSError(self.refuse_errno, "no segmentation here")
         ((level, kind, data),) = anc
-        assert (level, kind) == (devmod.SOL_UDP, devmod.UDP_SEGMENT)
+        assert (level, kind) == (udp.SOL_UDP, udp.UDP_SEGMENT)
         self.sends.append(("gso", list(buffers), int.from_bytes(data, "little")))
         return sum(map(len, buffers))
 
@@ -477,26 +300,26 @@ def _datagrams(*sizes: int) -> list[bytes]:
 def test_segmented_sends_group_equal_sizes(sizes: tuple[int, ...], expect: list[tuple[str, int, int]]) -> None:
     dev = Device(DeviceConfig(port=0))
     rec = RecordingSocket()
-    dev.sock = rec  # type: ignore[assignment]
+    dev.udp.sock = rec  # type: ignore[assignment]
     out = _datagrams(*sizes)
-    dev._send_segmented(out, ("127.0.0.9", 9))
+    dev.udp.send_segmented(out, ("127.0.0.9", 9))
     assert [(kind, len(bufs), size) for kind, bufs, size in rec.sends] == expect
     assert [d for _, bufs, _ in rec.sends for d in bufs] == out  # every datagram once, in order
-    dev.sock = None
+    dev.udp.sock = None
     dev.close()
 
 
 def test_a_kernel_that_refuses_segmentation_gets_every_datagram_one_by_one() -> None:
     dev = Device(DeviceConfig(port=0))
-    dev.gso = True
+    dev.udp.gso = True
     rec = RecordingSocket(refuse_gso=True)
-    dev.sock = rec  # type: ignore[assignment]
+    dev.udp.sock = rec  # type: ignore[assignment]
     out = _datagrams(100, 1000, 1000, 1000, 40)
-    dev._send_segmented(out, ("127.0.0.9", 9))
+    dev.udp.send_segmented(out, ("127.0.0.9", 9))
     assert [bufs[0] for _, bufs, _ in rec.sends] == out
     assert all(kind == "sendto" for kind, _, _ in rec.sends)
-    assert dev.gso is False  # and it stays off
-    dev.sock = None
+    assert dev.udp.gso is False  # and it stays off
+    dev.udp.sock = None
     dev.close()
 
 
@@ -544,31 +367,31 @@ def test_a_burst_leaves_in_as_few_sends_as_the_limits_allow(items: list[Any],
                                                             expect: list[tuple[str, int, int]]) -> None:
     dev = Device(DeviceConfig(port=0))
     rec = RecordingSocket()
-    dev.sock = rec  # type: ignore[assignment]
+    dev.udp.sock = rec  # type: ignore[assignment]
     out = [_burst(*it, fill=i) if isinstance(it, tuple) else bytes([i]) * it for i, it in enumerate(items)]
-    dev._send_segmented(out, ("127.0.0.9", 9))
+    dev.udp.send_segmented(out, ("127.0.0.9", 9))
     got = [(kind, -(-sum(map(len, bufs)) // size) if kind == "gso" else 1, size) for kind, bufs, size in rec.sends]
     assert got == expect
     assert _sent_datagrams(rec) == _flat(out)  # every datagram once, in order
-    dev.sock = None
+    dev.udp.sock = None
     dev.close()
 
 
 @pytest.mark.parametrize("refused", [errno.EIO, errno.EINVAL])
 def test_a_refused_burst_goes_one_by_one(refused: int) -> None:
     dev = Device(DeviceConfig(port=0))
-    dev.gso = True
+    dev.udp.gso = True
     rec = RecordingSocket(refuse_gso=True, refuse_errno=refused)
-    dev.sock = rec  # type: ignore[assignment]
+    dev.udp.sock = rec  # type: ignore[assignment]
     out = [_burst(50, 1500, 300, fill=0), bytes(40), _burst(3, 1000, 1000, fill=7), _burst(2, 1000, 1000, fill=9)]
-    dev._send_segmented(out, ("127.0.0.9", 9))
+    dev.udp.send_segmented(out, ("127.0.0.9", 9))
     assert all(kind == "sendto" for kind, _, _ in rec.sends)
     assert _sent_datagrams(rec) == _flat(out)
-    assert dev.gso is (refused == errno.EINVAL)
+    assert dev.udp.gso is (refused == errno.EINVAL)
     # EIO: asked once, then never again; EINVAL: each send is tried (the
     # first burst takes two, the last two share one)
     assert dev.stats["tx_gso_refused"] == (1 if refused == errno.EIO else 3)
-    dev.sock = None
+    dev.udp.sock = None
     dev.close()
 
 
@@ -582,11 +405,11 @@ def test_a_send_that_fails_counts_every_datagram_it_carried(error: type[OSError]
 
     rec.sendmsg = fail  # type: ignore[method-assign]
     rec.sendto = fail  # type: ignore[method-assign]
-    dev.sock = rec  # type: ignore[assignment]
+    dev.udp.sock = rec  # type: ignore[assignment]
     out = [_burst(3, 1000, 1000, fill=0), _burst(2, 1000, 400, fill=3), bytes(40), _burst(5, 900, 900, fill=5)]
-    dev._send_segmented(out, ("127.0.0.9", 9))
+    dev.udp.send_segmented(out, ("127.0.0.9", 9))
     assert dev.stats[counter] == 11  # the link retransmits what the kernel did not take
-    dev.sock = None
+    dev.udp.sock = None
     dev.close()
 
 
@@ -613,13 +436,13 @@ async def test_a_pass_reads_a_bounded_number_of_datagrams() -> None:
     # sends, instead of in one pass that would overrun the link's receive
     # window and hold every ACK past the sender's RTO.
     dev = Device(DeviceConfig(port=0))
-    dev.sock = BacklogSocket(300)  # type: ignore[assignment]
+    dev.udp.sock = BacklogSocket(300)  # type: ignore[assignment]
     dev.poll_once()
-    assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == devmod._RX_BUDGET
+    assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == receive.RX_BUDGET
     dev.poll_once()
     dev.poll_once()
     assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == 300
-    dev.sock = None
+    dev.udp.sock = None
     dev.close()
 
 
@@ -627,11 +450,11 @@ async def test_a_pass_reads_a_bounded_number_of_bytes() -> None:
     # 128 datagrams of 64 KB would be 8 MB of copying, CRC and placement in
     # one pass, with every ACK waiting for its end: past the sender's RTO.
     dev = Device(DeviceConfig(port=0))
-    dev.sock = BacklogSocket(100, size=65_000)  # type: ignore[assignment]
+    dev.udp.sock = BacklogSocket(100, size=65_000)  # type: ignore[assignment]
     dev.poll_once()
     read = dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"]
-    assert read == -(-devmod._RX_BYTE_BUDGET // 65_000) < devmod._RX_BUDGET
-    dev.sock = None
+    assert read == -(-receive.RX_BYTE_BUDGET // 65_000) < receive.RX_BUDGET
+    dev.udp.sock = None
     dev.close()
 
 
@@ -667,8 +490,8 @@ async def test_a_pass_reads_what_waits_and_no_more(waiting: int) -> None:
     # the socket empty.
     dev = Device(DeviceConfig(addr="127.0.0.2", port=0))
     addr = dev.bind()
-    counting = CountingSocket(dev.sock)  # type: ignore[arg-type]
-    dev.sock = counting  # type: ignore[assignment]
+    counting = CountingSocket(dev.udp.sock)  # type: ignore[arg-type]
+    dev.udp.sock = counting  # type: ignore[assignment]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer:
         peer.bind(("127.0.0.9", 0))
         for _ in range(waiting):
@@ -683,7 +506,7 @@ async def test_a_pass_reads_what_waits_and_no_more(waiting: int) -> None:
     reads = counting.reads
     dev.poll_once()  # nothing waits: no read at all
     assert counting.reads == reads
-    dev.sock = counting.sock
+    dev.udp.sock = counting.sock
     dev.close()
 
 
@@ -694,7 +517,7 @@ def test_the_receive_window_fits_in_the_socket_buffer(mtu: int) -> None:
     dev = Device(DeviceConfig(addr="127.0.0.1", port=0, mtu=mtu))
     dev.bind()
     try:
-        rcvbuf = dev.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        rcvbuf = dev.udp.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         rwnd = dev.link_config.rwnd_packets
         assert 4 <= rwnd <= 256
         assert rwnd * skb_truesize(mtu) <= rcvbuf
@@ -713,7 +536,7 @@ async def test_a_datagram_carries_its_kernel_arrival_time_to_the_link() -> None:
     # The receiver ran 20 ms after the datagram arrived: the link is told
     # when it arrived (so congestion control does not see our lateness).
     a, b = await _write_and_check(gso=True, mtu=1472, length=1000)
-    if not b.dev.rx_stamps:
+    if not b.dev.udp.rx_stamps:
         pytest.skip("no SO_TIMESTAMPNS here")
     a.post_write(8, 0, 1000, b, 4096)
     sender = a.qp.link.link.stats
@@ -731,23 +554,23 @@ async def test_a_datagram_carries_its_kernel_arrival_time_to_the_link() -> None:
 
 
 def test_arrival_stamps_outside_the_last_second_are_not_trusted() -> None:
-    assert devmod._arrival(9.5, 10.0) == 9.5
-    assert devmod._arrival(10.5, 10.0) == 10.0  # from the future: a wall-clock step
-    assert devmod._arrival(8.0, 10.0) == 10.0
+    assert udp.arrival(9.5, 10.0) == 9.5
+    assert udp.arrival(10.5, 10.0) == 10.0  # from the future: a wall-clock step
+    assert udp.arrival(8.0, 10.0) == 10.0
 
 
 def test_einval_on_one_run_sends_it_one_by_one_and_keeps_batching() -> None:
     # EINVAL is about this run (say, a route whose MTU is too small for the
     # segment size): the run still goes out, and later runs are tried again.
     dev = Device(DeviceConfig(port=0))
-    dev.gso = True
+    dev.udp.gso = True
     rec = RecordingSocket(refuse_gso=True, refuse_errno=errno.EINVAL)
-    dev.sock = rec  # type: ignore[assignment]
+    dev.udp.sock = rec  # type: ignore[assignment]
     out = _datagrams(1000, 1000, 1000, 40, 40, 40)  # runs: 3 x 1000 + 40, then 2 x 40
-    dev._send_segmented(out, ("127.0.0.9", 9))
+    dev.udp.send_segmented(out, ("127.0.0.9", 9))
     assert [bufs[0] for _, bufs, _ in rec.sends] == out
-    assert dev.gso is True and dev.stats["tx_gso_refused"] == 2
-    dev.sock = None
+    assert dev.udp.gso is True and dev.stats["tx_gso_refused"] == 2
+    dev.udp.sock = None
     dev.close()
 
 
@@ -764,26 +587,26 @@ class GroSocket:
 
 
 def _gro(seg: int) -> list[tuple[int, int, bytes]]:
-    return [(devmod.SOL_UDP, devmod.UDP_GRO, seg.to_bytes(4, "little"))]
+    return [(udp.SOL_UDP, udp.UDP_GRO, seg.to_bytes(4, "little"))]
 
 
 @pytest.mark.parametrize(("data", "anc", "flags", "datagrams", "batches"), [
     (bytes(300), _gro(100), 0, 3, 1),  # three 100-byte datagrams
     (bytes(250), _gro(100), 0, 3, 1),  # the last one shorter
-    (bytes(300), [(0, devmod.UDP_GRO, (100).to_bytes(4, "little"))], 0, 1, 0),  # not UDP's: one datagram
-    (bytes(300), [(devmod.SOL_UDP, devmod.UDP_GRO, b"\x64")], 0, 1, 0),  # too short to be a size
+    (bytes(300), [(0, udp.UDP_GRO, (100).to_bytes(4, "little"))], 0, 1, 0),  # not UDP's: one datagram
+    (bytes(300), [(udp.SOL_UDP, udp.UDP_GRO, b"\x64")], 0, 1, 0),  # too short to be a size
     (bytes(300), _gro(300), 0, 1, 0),  # nothing was coalesced
     (bytes(300), _gro(100), socket.MSG_CTRUNC, 0, 0),  # the size may be cut off: dropped, counted
 ])
 async def test_gro_receives_are_split_by_the_size_the_kernel_gave(
         data: bytes, anc: list[tuple[int, int, bytes]], flags: int, datagrams: int, batches: int) -> None:
     dev = Device(DeviceConfig(port=0))
-    dev.gro = True
-    dev.sock = GroSocket(data, anc, flags)  # type: ignore[assignment]
+    dev.udp.gro = True
+    dev.udp.sock = GroSocket(data, anc, flags)  # type: ignore[assignment]
     dev.poll_once()
     # Zeros from an unknown peer: each datagram is counted and dropped.
     assert dev.stats["rx_garbage"] + dev.stats["rx_unknown_peer"] == datagrams
     assert dev.stats["rx_gro_batches"] == batches
     assert dev.stats["rx_truncated"] == (1 if flags else 0)
-    dev.sock = None
+    dev.udp.sock = None
     dev.close()

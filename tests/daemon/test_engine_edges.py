@@ -1,6 +1,6 @@
 """Edges of the QP engine found in review: what a failing send side owes its receives, max_msg_sz.
 
-A real ``Device`` and QP in RTS towards a link (``test_fuzz._setup``); WQEs
+A real ``Device`` and QP in RTS towards a link (``test_fuzz.setup_qp``); WQEs
 go into the rings through the same struct layouts the verbs library uses.
 """
 
@@ -15,7 +15,7 @@ from udpverbs.wire.envelope import Kind
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import AccessFlags as A, QPState as S, WcStatus as W, WrOpcode
 
-from .test_fuzz import _setup
+from .test_fuzz import setup_qp
 
 
 def _post_recv(qp, wr_id: int, mr: tables.MemoryRegion, length: int) -> None:
@@ -56,16 +56,16 @@ async def test_a_due_flow_ack_leaves_even_when_the_send_side_fails() -> None:
     # Modified ACK; the QP's send side then fails in the same pass.  The ACK
     # must still go out (it is queued last in a pass, hence in a finally).
     dev = Device(DeviceConfig(seed=1))
-    sess, qp, mrs = _setup(dev)
+    sess, qp, mrs = setup_qp(dev)
     _post_recv(qp, 42, mrs[0], 100)
-    dev._dispatch(qp.link, segment.encode(qp.qpn, qp.dest_qpn, rdmap.encode_untagged(Opcode.SEND, True, 1, 0, b"hi")))
+    dev.receiver.dispatch(qp.link, segment.encode(qp.qpn, qp.dest_qpn, rdmap.encode_untagged(Opcode.SEND, True, 1, 0, b"hi")))
     assert qp.flow_ack_due
     before = qp.link.link.recovery.queued()
 
-    def broken(link, budget):
+    def broken(link, budget, start):
         raise RuntimeError("an engine bug")
 
-    qp._pump_messages = broken
+    qp.pump_messages = broken
     dev.poll_once()
     assert dev.stats["qp_exception"] == 1 and qp.state == S.IBV_QPS_ERR
     assert Kind.FLOW in _queued_kinds(qp, before)
@@ -79,7 +79,7 @@ async def test_a_full_link_still_carries_the_flow_ack_a_qp_owes() -> None:
     # streaming), but not the Modified ACK it owes: that goes past the send
     # buffer, or the peer's Send would wait for it until the link drains.
     dev = Device(DeviceConfig(seed=1))
-    sess, qp, mrs = _setup(dev)
+    sess, qp, mrs = setup_qp(dev)
     _post_send(qp, 7, WrOpcode.IBV_WR_RDMA_WRITE, mrs[0], 10)
     link = qp.link.link
     while link.send_space():
@@ -88,7 +88,7 @@ async def test_a_full_link_still_carries_the_flow_ack_a_qp_owes() -> None:
     qp.pump(64)
     assert _queued_kinds(qp, before) == []  # the Write waits for room
     _post_recv(qp, 42, mrs[0], 100)
-    dev._dispatch(qp.link, segment.encode(qp.qpn, qp.dest_qpn, rdmap.encode_untagged(Opcode.SEND, True, 1, 0, b"hi")))
+    dev.receiver.dispatch(qp.link, segment.encode(qp.qpn, qp.dest_qpn, rdmap.encode_untagged(Opcode.SEND, True, 1, 0, b"hi")))
     assert qp.flow_ack_due
     qp.pump(64)
     assert _queued_kinds(qp, before) == [Kind.FLOW] and not qp.flow_ack_due
@@ -101,7 +101,7 @@ async def test_a_message_longer_than_max_msg_sz_completes_with_loc_len_err(opcod
     # A Read Request's size and a Send's MO are 32-bit; the port says
     # max_msg_sz = 2 GiB.  Beyond it: IBV_WC_LOC_LEN_ERR, not an engine error.
     dev = Device(DeviceConfig(seed=2))
-    sess, qp, mrs = _setup(dev)
+    sess, qp, mrs = setup_qp(dev)
     size = shm.MAX_MSG_SZ + 4096
     _, mm = shm.new_segment(size, "sparse")  # a sparse memfd: no memory is touched
     big = tables.MemoryRegion(9, qp.pd, int(A.IBV_ACCESS_LOCAL_WRITE), 0x10_0000_0000, size, mm)

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 from hypothesis import given, strategies as st
 
-from udpverbs.daemon.device import EQUAL_EXTRA, GSO_MAX_BYTES, GSO_MAX_SEGMENTS, equal_segment_size
+from udpverbs.daemon.peer import EQUAL_EXTRA, equal_segment_size
+from udpverbs.daemon.udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS
 from udpverbs.wire import envelope, link as wire_link, segment
 from udpverbs.wire.shm import WcStatus as W, WrOpcode
 
-from .test_batching import Host, complete, connected
+from udpverbs.bench.inprocess import Host, complete, connected
 
 #: what a tagged segment's datagram adds to its payload
 OVERHEAD = wire_link.OVERHEAD + segment.TAGGED_PREFIX_LEN
@@ -120,14 +121,14 @@ def _payloads(rec: WireTap, prefix: int = segment.TAGGED_PREFIX_LEN) -> list[int
 
 
 def _record(h: Host) -> WireTap:
-    rec = WireTap(h.dev.sock)
-    h.dev.sock = rec  # type: ignore[assignment]
+    rec = WireTap(h.dev.udp.sock)
+    h.dev.udp.sock = rec  # type: ignore[assignment]
     return rec
 
 
 def _restore(*recs: tuple[Host, WireTap]) -> None:
     for h, rec in recs:
-        h.dev.sock = rec._sock  # type: ignore[assignment]
+        h.dev.udp.sock = rec._sock  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -140,7 +141,7 @@ async def test_a_stream_of_writes_is_cut_evenly_and_sent_together(native: bool) 
     # system calls.  Every byte lands where it should.
     a = Host("127.0.0.2", gso=True, native=native)
     async with connected(a) as (a, b):
-        if not (a.dev.gso and b.dev.gro):
+        if not (a.dev.udp.gso and b.dev.udp.gro):
             pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
         max_data = a.qp.link.max_data
         assert max_data == 1418  # the test's arithmetic is for MTU 1472
@@ -228,7 +229,7 @@ async def test_a_stream_of_sends_is_cut_evenly_unless_it_owes_a_modified_ack(nat
     a = Host("127.0.0.2", gso=True, native=native)
     b = Host("127.0.0.3", gso=True, native=native)
     async with connected(a, b) as (a, b):
-        if not (a.dev.gso and b.dev.gro):
+        if not (a.dev.udp.gso and b.dev.udp.gro):
             pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
         max_data = a.qp.link.max_data - (segment.UNTAGGED_PREFIX_LEN - segment.TAGGED_PREFIX_LEN)
         assert max_data == 1414  # the test's arithmetic is for MTU 1472

@@ -12,7 +12,7 @@ import trio
 
 from udpverbs.wire.shm import WcStatus as W, WrOpcode
 
-from .test_batching import Host, connected
+from udpverbs.bench.inprocess import Host, connected
 
 SEND = WrOpcode.IBV_WR_SEND
 

@@ -16,7 +16,8 @@ import trio
 
 from udpverbs.daemon.control import Session, modify_qp
 from udpverbs.daemon.device import Device, DeviceConfig
-from udpverbs.daemon.qp import CompletionQueue, QueuePair
+from udpverbs.daemon.cq import CompletionQueue
+from udpverbs.daemon.qp import QueuePair
 from udpverbs.daemon import tables
 from udpverbs.wire import ctl, envelope, flow, rdmap, segment, shm
 from udpverbs.wire.rdmap import Opcode
@@ -25,7 +26,7 @@ from udpverbs.wire.shm import AccessFlags as A, QPAttrMask as M, QPState as S
 ALL = A.IBV_ACCESS_LOCAL_WRITE | A.IBV_ACCESS_REMOTE_WRITE | A.IBV_ACCESS_REMOTE_READ | A.IBV_ACCESS_REMOTE_ATOMIC
 
 
-def _setup(dev: Device) -> tuple[Session, QueuePair, list[tables.MemoryRegion]]:
+def setup_qp(dev: Device) -> tuple[Session, QueuePair, list[tables.MemoryRegion]]:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sess = Session(dev, trio.socket.from_stdlib_socket(a), pid=1)
     b.close()
@@ -107,11 +108,11 @@ async def test_hostile_segments_never_raise_nor_escape_a_region() -> None:
     placed = 0
     for round_ in range(10):
         dev = Device(DeviceConfig(seed=round_))
-        sess, qp, mrs = _setup(dev)
+        sess, qp, mrs = setup_qp(dev)
         guards = [bytes(mr.mm[mr.length:]) for mr in mrs]  # bytes of the mapping past each region
         before = [bytes(mr.mm[:mr.length]) for mr in mrs]
         for _ in range(300):
-            dev._dispatch(qp.link, _message(rng, mrs))
+            dev.receiver.dispatch(qp.link, _message(rng, mrs))
             placed += qp.rx_write_bytes
             qp.rx_write_bytes = 0
             if qp.state == S.IBV_QPS_ERR:  # a violation ended the QP: bring it back and go on
@@ -129,14 +130,14 @@ async def test_a_repeated_atomic_request_is_answered_but_not_applied_twice() -> 
     # The link never duplicates, but RFC 7306 asks the responder to cope with a
     # request sent again after its response was lost: answer from the record.
     dev = Device(DeviceConfig(seed=3))
-    sess, qp, mrs = _setup(dev)
+    sess, qp, mrs = setup_qp(dev)
     mr = mrs[0]
     req = rdmap.AtomicRequest(rdmap.AtomicOp.FETCH_ADD, 77, mr.stag, mr.addr + 16, 5, 0, 0, 0)
     msg = segment.encode(5, 7, rdmap.encode_untagged(Opcode.ATOMIC_REQUEST, True, 1, 0,
                                                      rdmap.encode_atomic_request(req)))
     mr.view[16:24] = (100).to_bytes(8, sys.byteorder)
-    dev._dispatch(qp.link, msg)
-    dev._dispatch(qp.link, msg)
+    dev.receiver.dispatch(qp.link, msg)
+    dev.receiver.dispatch(qp.link, msg)
     assert int.from_bytes(mr.view[16:24], sys.byteorder) == 105
     assert dev.stats["atomic_replayed"] == 1 and qp.state == S.IBV_QPS_RTS
     replies = [rdmap.decode_atomic_response_untrusted(r.body) for r in qp.irrq]
@@ -144,23 +145,23 @@ async def test_a_repeated_atomic_request_is_answered_but_not_applied_twice() -> 
     # A request from the future (MSN skipped) is a protocol error, not a replay.
     bad = segment.encode(5, 7, rdmap.encode_untagged(Opcode.ATOMIC_REQUEST, True, 9, 0,
                                                      rdmap.encode_atomic_request(req)))
-    dev._dispatch(qp.link, bad)
+    dev.receiver.dispatch(qp.link, bad)
     assert qp.state == S.IBV_QPS_ERR and int.from_bytes(mr.view[16:24], sys.byteorder) == 105
     sess.teardown()
     dev.close()
 
 
 def test_masked_atomics_follow_rfc_7306() -> None:
-    from udpverbs.daemon.qp import _apply_atomic
+    from udpverbs.daemon.responder import apply_atomic
 
     # Two 32-bit fields: a mask bit at 31 ends the low field, so its carry is dropped.
     fa = rdmap.AtomicRequest(rdmap.AtomicOp.FETCH_ADD, 1, 0, 0, 0x0000_0001_0000_0001, 1 << 31, 0, 0)
-    assert _apply_atomic(fa, 0x0000_0000_FFFF_FFFF) == 0x0000_0001_0000_0000
+    assert apply_atomic(fa, 0x0000_0000_FFFF_FFFF) == 0x0000_0001_0000_0000
     plain = fa._replace(add_swap_mask=0)
-    assert _apply_atomic(plain, 0x0000_0000_FFFF_FFFF) == 0x0000_0002_0000_0000
-    assert _apply_atomic(plain._replace(add_swap_data=1), (1 << 64) - 1) == 0  # wraps
+    assert apply_atomic(plain, 0x0000_0000_FFFF_FFFF) == 0x0000_0002_0000_0000
+    assert apply_atomic(plain._replace(add_swap_data=1), (1 << 64) - 1) == 0  # wraps
     swap = rdmap.AtomicRequest(rdmap.AtomicOp.SWAP, 1, 0, 0, 0xAAAA, 0x00FF, 0, 0)
-    assert _apply_atomic(swap, 0x1234) == 0x12AA
+    assert apply_atomic(swap, 0x1234) == 0x12AA
     cas = rdmap.AtomicRequest(rdmap.AtomicOp.CMP_SWAP, 1, 0, 0, 0xBEEF, 0xFFFF, 0x0034, 0x00FF)
-    assert _apply_atomic(cas, 0x1234) == 0xBEEF  # compared on the low byte only
-    assert _apply_atomic(cas, 0x1235) == 0x1235
+    assert apply_atomic(cas, 0x1234) == 0xBEEF  # compared on the low byte only
+    assert apply_atomic(cas, 0x1235) == 0x1235

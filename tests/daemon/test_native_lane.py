@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,43 +29,14 @@ from udpverbs.wire import link as wire_link, native, rdmap, segment, shm
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import QPState as S, WcStatus as W, WrOpcode
 
-from .test_batching import MR_LEN, Host, complete, connected, establish, qp_pairs
+from udpverbs.bench.inprocess import MR_LEN, Host, complete, connected, establish, qp_pairs
+from udpverbs.daemon.policy import IN_PASS_ORDER
+
+from .twins import link_state, mangle, receive_all, turn, twins
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
 _STEP_S = 0.001
-
-
-def _mangle(out: list[bytes], rng: random.Random, loss: float, gro: float) -> list[tuple[bytes, int]]:
-    """What the network and the kernel make of ``out``: ``(buffer, segment size)`` receives."""
-    arriving: list[bytes] = []
-    for d in map(bytes, out):
-        x = rng.random()
-        if x < loss:
-            continue
-        if x < 2 * loss:
-            i = rng.randrange(len(d))
-            d = d[:i] + bytes([d[i] ^ (1 << rng.randrange(8))]) + d[i + 1:]
-        arriving.append(d)
-        if rng.random() < loss:
-            arriving.append(d)
-    for i in range(len(arriving) - 1):
-        if rng.random() < loss:
-            arriving[i], arriving[i + 1] = arriving[i + 1], arriving[i]
-    # GRO: a run of equal sizes, the last possibly shorter, in one buffer
-    receives: list[tuple[bytes, int]] = []
-    i = 0
-    while i < len(arriving):
-        size = len(arriving[i])
-        j = i + 1
-        if rng.random() < gro:
-            while j < len(arriving) and j - i < 64 and len(arriving[j]) <= size:
-                j += 1
-                if len(arriving[j - 1]) < size:
-                    break
-        receives.append((b"".join(arriving[i:j]), size))
-        i = j
-    return receives
 
 
 _MORE_CTRL, _OP_READ_RESPONSE = rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False)
@@ -106,61 +76,6 @@ def _forge_read_response_to(out: list[bytes], delta: int | str) -> tuple[list[by
     return forged, delta
 
 
-def _receive(host: Host, pl: object, receives: list[tuple[bytes, int]], now: float) -> None:
-    dev = host.dev
-    for buf, seg in receives:
-        dev._receive(pl, buf, seg, now, now)  # type: ignore[arg-type]
-        while dev._rx_rest is not None:  # what the next passes would do first (rx_dispatch_budget)
-            dev._receive_rest(now)
-    for msg in pl.link.drain_received():  # type: ignore[attr-defined]
-        dev._dispatch(pl, msg)  # type: ignore[arg-type]
-
-
-class _Recorder:
-    """A device's socket that keeps what is sent to it instead (the tests
-    hand the datagrams over themselves)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.sent: list[bytes] = []
-
-    def sendto(self, data: bytes, addr: object) -> int:
-        self.sent.append(bytes(data))
-        return len(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.sock, name)
-
-
-def _turn(host: Host, pl: object, now: float, clock: object = None) -> list[bytes]:
-    """The rest of a data-loop pass: timers, completions, pump, what leaves
-    (stamped by ``clock`` if given, as the device's loop does): what the
-    pump sent at once (``PeerLink.send_alone``), then what the link sends."""
-    dev, qp, link = host.dev, host.qp, pl.link  # type: ignore[attr-defined]
-    if type(dev.sock) is not _Recorder:
-        dev.sock = _Recorder(dev.sock)  # type: ignore[assignment]
-    dev.now = now
-    d = link.next_deadline()
-    if d is not None and d <= now:
-        link.timer_fired(now)
-    if qp.state == S.IBV_QPS_ERR:
-        qp.flush_rings()
-    else:
-        if qp.outstanding:
-            qp.complete_acked(link.acked)
-        qp.pump(64)
-    if pl.requests:  # type: ignore[attr-defined]
-        pl.flush_requests()  # type: ignore[attr-defined]  # as Device.flush_link does
-    sent, dev.sock.sent = dev.sock.sent, []  # type: ignore[union-attr]
-    return sent + link.datagrams_to_send(now, clock)
-
-
-def _link_state(pl: object) -> tuple[object, ...]:
-    link = pl.link  # type: ignore[attr-defined]
-    return (link.rcv_nxt, link.peer_rwnd, link._last_ack_field, link._last_rx_ts, link._ack_now, link._ack_count,
-            link.acked, link.srtt_s, link.cwnd_bytes, link.stats.as_dict())
-
-
 @contextlib.contextmanager
 def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: int = 0,
          gro: float = 0.7, reply_len: int = 30_000, reads: int = 0,
@@ -174,39 +89,15 @@ def _run(seed: int, writes: list[tuple[int, int, str]], loss: float, replies: in
     Sends carry); then A Sends ``sends`` (see ``_post_sends``) and asks the
     receivers ``requests`` (see ``_post_requests``); yields A and the
     receiver with the lane."""
-    hosts = [Host("127.0.0.2", gso=False), Host("127.0.0.3", gso=False, native=True),
-             Host("127.0.0.3", gso=False, native=False)]  # the same seed: same tags, ISNs, STags
+    hosts = [Host("127.0.0.2", gso=False, policy=IN_PASS_ORDER),
+             Host("127.0.0.3", gso=False, native=True, policy=IN_PASS_ORDER),
+             Host("127.0.0.3", gso=False, native=False, policy=IN_PASS_ORDER)]  # the same seed: same tags, ISNs, STags
     try:
         yield _exchange(random.Random(seed), *hosts, writes, loss, replies, gro, reply_len, reads, forge_to,
                         sends or [], answers, requests or [])
     finally:
         for h in hosts:
             h.close()
-
-
-def _twins(peer: Host, fast: Host, slow: Host) -> tuple[list[float], Any, Any, Any]:
-    """Connect ``peer`` with ``fast`` and both twins with ``peer``, every device
-    on one hand-turned clock; return the clock and the links (peer's, fast's, slow's).
-    ``slow`` is never connected to from ``peer``: it gets ``fast``'s traffic."""
-    clock = [1.0]
-    for h in (peer, fast, slow):
-        h.dev._clock = lambda: clock[0]
-        # The lane answers a lone request while it receives, the Python path
-        # when the pass pumps: the same datagram, with an ACK field of a
-        # different moment.  Here both answer in the pump.
-        h.dev.answer_at_once = False
-        # Likewise the lane sends a ping-pong's run of segments as soon as it
-        # is queued, the Python path its segments at the pass's flush.
-        h.dev.run_at_once = False
-        # On the hand-turned clock a hand-over would only count real
-        # scheduler turns, differently for each twin.
-        h.dev.hand_over_s = 0
-    peer.connect(fast)
-    fast.connect(peer)
-    slow.connect(peer)
-    peer_addr = (peer.dev.config.addr, peer.dev.config.port)
-    return (clock, peer.dev.links[(fast.dev.config.addr, fast.dev.config.port)], fast.dev.links[peer_addr],
-            slow.dev.links[peer_addr])
 
 
 #: where the receivers' receives start, one every _RECV_STRIDE bytes
@@ -270,7 +161,7 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
               forge_to: int | str = 0, sends: list[tuple[int, str]] | None = None,
               answers: int = 0, requests: list[str] | None = None) -> tuple[Host, Host]:
     assert fast.dev.native is not None and slow.dev.native is None
-    clock, pa, pf, ps = _twins(a, fast, slow)
+    clock, pa, pf, ps = twins(a, fast, slow)
     a.mr.view[:] = rng.randbytes(MR_LEN)
     fast.mr.view[:] = slow.mr.view[:] = rng.randbytes(MR_LEN)
     for i in range(replies):
@@ -317,19 +208,19 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
                     h.post_recv(400 + at, at, room)
         clock[0] += _STEP_S
         now = clock[0]
-        held += _turn(a, pa, now)
+        held += turn(a, pa, now)
         if forge_to:
             held, forge_to = _forge_read_response_to(held, forge_to)
         if rng.random() < 0.3:
             continue  # arrives with the next step's: a GRO buffer may span two of A's passes
-        receives = _mangle(held, rng, loss, gro)
+        receives = mangle(held, rng, loss, gro)
         held = []
-        _receive(fast, pf, receives, now)
-        _receive(slow, ps, receives, now)
-        out_f, out_s = _turn(fast, pf, now), _turn(slow, ps, now)
+        receive_all(fast, pf, receives, now)
+        receive_all(slow, ps, receives, now)
+        out_f, out_s = turn(fast, pf, now), turn(slow, ps, now)
         assert out_f == out_s  # the same ACKs, windows, echoes, Terminates
-        assert _link_state(pf) == _link_state(ps)
-        _receive(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
+        assert link_state(pf) == link_state(ps)
+        receive_all(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
         done += a.completions()
         replied = fast.cqes()
         assert replied == slow.cqes()  # every field: opcode, byte_len, wc_flags, QPNs...
@@ -574,7 +465,7 @@ def test_a_read_whose_sink_is_deregistered_midway_costs_the_daemon_nothing(nativ
     try:
         clock = [1.0]
         for h in (a, req):
-            h.dev._clock = lambda: clock[0]
+            h.dev.clock = lambda: clock[0]
         a.connect(req)
         req.connect(a)
         pa = a.dev.links[(req.dev.config.addr, req.dev.config.port)]
@@ -583,13 +474,13 @@ def test_a_read_whose_sink_is_deregistered_midway_costs_the_daemon_nothing(nativ
         closed = False
         for _ in range(400):
             clock[0] += _STEP_S
-            _receive(a, pa, [(d, len(d)) for d in _turn(req, pr, clock[0])], clock[0])
-            out = _turn(a, pa, clock[0])
+            receive_all(a, pa, [(d, len(d)) for d in turn(req, pr, clock[0])], clock[0])
+            out = turn(a, pa, clock[0])
             if not closed and req.qp.orrq and req.qp.orrq[0].placed > 10_000:
                 req.dev.stags.invalidate(req.mr.stag)
                 req.mr.close()
                 closed = True
-            _receive(req, pr, [(b"".join(out), len(out[0]))] if out else [], clock[0])
+            receive_all(req, pr, [(b"".join(out), len(out[0]))] if out else [], clock[0])
             if req.completions():
                 break
         assert closed and req.dev.stats["rx_exception"] >= 1
@@ -682,8 +573,8 @@ async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool
             b.dev.poll_once()  # B's Send leaves, then its receive is resolved
             if b.dev.native is not None:
                 b.qp.prefetch_receive()
-            kept = b.qp._rx_peeked
-            assert kept is not None and kept[2][0] == 77 and b.qp.peek_receive() is kept[2]
+            kept = b.qp.peek_receive()  # resolved ahead: the same answer each time
+            assert kept is not None and kept[0] == 77 and b.qp.peek_receive() is kept
         if gone:
             b.dev.stags.invalidate(stag)
         a.mr.view[:2] = b"hi"
@@ -763,7 +654,7 @@ async def test_a_batch_longer_than_a_lane_call_takes_is_taken_in_parts() -> None
         size = len(datagrams[0])
         pl.rx_hint = (a.qp, 0, int(Opcode.ATOMIC_RESPONSE))
         now = a.dev.now
-        used = a.dev._place_run(pl, b"".join(datagrams), 0, size, now, now, 10_000)
+        used = a.dev.lane.place_run(pl, b"".join(datagrams), 0, size, now, now, 10_000)
         assert used == 64 * size
         assert a.dev.stats["rx_native_atomic_responses"] == 64
 

@@ -22,8 +22,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from udpverbs.wire import native
 from udpverbs.wire.shm import QPState as S, WcStatus as W, WrOpcode
 
-from .test_batching import MR_LEN, Host
-from .test_native_lane import _link_state, _mangle, _receive, _turn, _twins
+from udpverbs.bench.inprocess import MR_LEN, Host
+from udpverbs.daemon.policy import IN_PASS_ORDER
+
+from .twins import link_state, mangle, receive_all, turn, twins
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -43,9 +45,9 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
     ``reads`` bytes."""
     rng = random.Random(seed)
     # GSO on: a stream's messages are cut evenly where that pays (equal_segment_size)
-    fast, slow = (Host("127.0.0.2", gso=True, mtu=mtu, native=on) for on in (True, False))
-    peer = Host("127.0.0.3", gso=False, mtu=mtu, native=True)
-    clock, pp, pf, ps = _twins(peer, fast, slow)
+    fast, slow = (Host("127.0.0.2", gso=True, mtu=mtu, native=on, policy=IN_PASS_ORDER) for on in (True, False))
+    peer = Host("127.0.0.3", gso=False, mtu=mtu, native=True, policy=IN_PASS_ORDER)
+    clock, pp, pf, ps = twins(peer, fast, slow)
     fast.mr.view[:] = slow.mr.view[:] = rng.randbytes(MR_LEN)
     at = 0
     for i, sges in enumerate(writes):
@@ -72,9 +74,9 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
     held: list[bytes] = []
     for _ in range(4000):
         clock[0] += _STEP_S
-        out_f, out_s = _turn(fast, pf, clock[0], fast.dev._clock), _turn(slow, ps, clock[0], slow.dev._clock)
+        out_f, out_s = turn(fast, pf, clock[0], fast.dev.clock), turn(slow, ps, clock[0], slow.dev.clock)
         assert out_f == out_s  # the same datagrams, byte for byte
-        assert _link_state(pf) == _link_state(ps)
+        assert link_state(pf) == link_state(ps)
         assert pf.link.recovery.in_flight() == ps.link.recovery.in_flight()
         assert pf.link.pacer.next_send_s == ps.link.pacer.next_send_s
         # a batch is let go once sent, whichever path sent it (SACK blocks
@@ -83,11 +85,11 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
         held += out_f
         if rng.random() < 0.3:
             continue
-        _receive(peer, pp, _mangle(held, rng, loss, 0.7), clock[0])
+        receive_all(peer, pp, mangle(held, rng, loss, 0.7), clock[0])
         held = []
-        back = _mangle(_turn(peer, pp, clock[0], peer.dev._clock), rng, loss, 0.0)
-        _receive(fast, pf, back, clock[0])
-        _receive(slow, ps, back, clock[0])
+        back = mangle(turn(peer, pp, clock[0], peer.dev.clock), rng, loss, 0.0)
+        receive_all(fast, pf, back, clock[0])
+        receive_all(slow, ps, back, clock[0])
         done_f += fast.completions()
         done_s += slow.completions()
         done_p += peer.completions()

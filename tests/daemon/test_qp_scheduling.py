@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from udpverbs.daemon.device import UDP_SEGMENT, SQWatch
+from udpverbs.daemon.scheduler import SQWatch
+from udpverbs.daemon.udp import UDP_SEGMENT
 from udpverbs.daemon.qp import QueuePair
 from udpverbs.wire import native as wire_native
 from udpverbs.wire import link as wire_link
@@ -27,7 +28,7 @@ from udpverbs.wire.envelope import Kind
 from udpverbs.wire.rdmap import Opcode
 from udpverbs.wire.shm import WcStatus as W
 
-from .test_batching import Host, establish, qp_pairs
+from udpverbs.bench.inprocess import Host, establish, qp_pairs
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
@@ -121,11 +122,11 @@ async def test_qps_take_turns_and_each_write_leaves_in_one_run(native: bool) -> 
     (no QP starts its third Write before every QP has started its first)."""
     a, b = Host("127.0.0.2", gso=True, native=native), Host("127.0.0.3", gso=True, native=native)
     a.dev.link_config.send_buffer_packets = 60
-    tap = Tap(a.dev.sock)
+    tap = Tap(a.dev.udp.sock)
     try:
         pairs = qp_pairs(a, b, 3)
         await establish(a, b)
-        a.dev.sock = tap  # type: ignore[assignment]
+        a.dev.udp.sock = tap  # type: ignore[assignment]
         n = 4
         for k, (qa, _) in enumerate(pairs):
             for i in range(n):
@@ -156,7 +157,7 @@ async def test_qps_take_turns_and_each_write_leaves_in_one_run(native: bool) -> 
             third = [i for i, q in enumerate(starts) if q == qa.qpn][2]
             assert third > first_of_each, f"QP {qa.qpn} started its third Write before another its first: {starts}"
     finally:
-        a.dev.sock = tap.sock
+        a.dev.udp.sock = tap.sock
         a.close()
         b.close()
 

@@ -17,8 +17,10 @@ import pytest
 from udpverbs.wire import native
 from udpverbs.wire.shm import WcStatus as W, WrOpcode
 
-from .test_batching import Host, complete, connected, establish, qp_pairs
-from .test_native_lane import _mangle, _receive, _turn
+from udpverbs.bench.inprocess import Host, complete, connected, establish, qp_pairs
+from udpverbs.daemon.policy import LoopPolicy
+
+from .twins import mangle, receive_all, turn
 from .test_qp_scheduling import Tap
 
 
@@ -45,7 +47,7 @@ async def test_each_message_of_a_ping_pong_leaves_alone(native: bool) -> None:
 
 async def test_messages_posted_together_leave_together() -> None:
     async with connected() as (a, b):
-        if not a.dev.gso:
+        if not a.dev.udp.gso:
             pytest.skip("this kernel has no UDP_SEGMENT")
         sends = a.dev.stats["tx_gso_sends"]
         for i in range(8):
@@ -88,7 +90,7 @@ async def test_a_lone_request_is_answered_before_the_rest_of_the_pass(opcode: Wr
     # lane at once, before the pass's link upkeep (timers, completions, the
     # pump); a batch of requests waits for the pump, as before.
     async with connected() as (a, b):
-        tap = b.dev.sock = Tap(b.dev.sock)  # type: ignore[assignment]
+        tap = b.dev.udp.sock = Tap(b.dev.udp.sock)  # type: ignore[assignment]
         link = b.qp.link.link
         upkeep = link.next_deadline
         seen: list[int] = []  # the answers sent by each call of the link upkeep
@@ -106,7 +108,7 @@ async def test_a_lone_request_is_answered_before_the_rest_of_the_pass(opcode: Wr
                 assert seen[0] > before, "answered after the upkeep"
             assert complete(a, b, 1) == [(i, W.IBV_WC_SUCCESS)]
         assert b.dev.stats["rx_native_requests"] == 3
-        b.dev.sock = tap.sock
+        b.dev.udp.sock = tap.sock
 
 
 async def test_one_segment_writes_from_sges_arrive_and_complete() -> None:
@@ -132,7 +134,7 @@ async def test_a_long_turn_sends_what_it_has_every_32_work_requests(opcode: WrOp
     # peer, and for Sends its Modified ACK, start on them sooner.  (Only A's
     # side is turned: what B would do with them is not the point.)
     async with connected() as (a, b):
-        if not a.dev.gso:
+        if not a.dev.udp.gso:
             pytest.skip("this kernel has no UDP_SEGMENT")
         sends = a.dev.stats["tx_gso_sends"]
         for i in range(64):
@@ -156,7 +158,7 @@ async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool =
     placed: list[bool] = []
     posted: list[bool] = []
     link = b.qp.link.link
-    accounted, deadline, flush = link.data_run_received, link.next_deadline, b.dev.flush_link
+    accounted, deadline, flush = link.data_run_received, link.next_deadline, b.dev.flush_links
 
     def answer() -> None:
         b.post_write(wr_id, 0, 8, a, 256, inline=True, opcode=answer_opcode)  # the application reacts
@@ -172,19 +174,19 @@ async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool =
         events.append("upkeep")
         return deadline()
 
-    def flush_link(pl: object) -> bool:
+    def flush_links() -> bool:
         if late and placed and not posted:
             answer()
-        return flush(pl)
+        return flush()
 
     class Sock(Tap):
         def sendto(self, data: object, addr: object) -> int:
             events.append("answer")
             return super().sendto(data, addr)
 
-    b.dev.sock = Sock(b.dev.sock)
+    b.dev.udp.sock = Sock(b.dev.udp.sock)
     link.data_run_received, link.next_deadline = data_run_received, next_deadline  # type: ignore[method-assign]
-    b.dev.flush_link = flush_link  # type: ignore[method-assign]
+    b.dev.flush_links = flush_links  # type: ignore[method-assign]
     try:
         a.post_write(wr_id, 0, 8, b, 64, inline=True, opcode=opcode)
         a.dev.poll_once()
@@ -194,8 +196,8 @@ async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool =
             if placed:
                 break  # the pass that placed a's Write
     finally:
-        b.dev.sock = b.dev.sock.sock
-        del link.data_run_received, link.next_deadline, b.dev.flush_link
+        b.dev.udp.sock = b.dev.udp.sock.sock
+        del link.data_run_received, link.next_deadline, b.dev.flush_links
     assert posted
     return events
 
@@ -284,7 +286,7 @@ async def test_a_streaming_qps_next_wqes_wait_for_the_pump() -> None:
         assert bytes(a.mr.view[512:528]) == b"pongpingpingpong"
 
 
-async def test_an_answer_does_not_pass_a_qp_waiting_its_turn() -> None:
+async def test_an_answer_does_not_pass_a_qp_waiting_itsturn() -> None:
     # Another QP of b waits in its link's line (a long Write under way): the
     # answer keeps its place behind it, taken when the pass reaches the line.
     a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
@@ -317,9 +319,9 @@ async def test_a_send_of_several_segments_answers_with_the_modified_ack_on_its_l
     # stands still: no hold runs out.
     a, b = (Host(ip, gso=True, native=native) for ip in ("127.0.0.2", "127.0.0.3"))
     async with connected(a, b) as (a, b):
-        clock = [a.dev._clock()]
+        clock = [a.dev.clock()]
         for h in (a, b):
-            h.dev._clock = lambda: clock[0]
+            h.dev.clock = lambda: clock[0]
         a.mr.view[:3000] = bytes(range(250)) * 12
         b.mr.view[:3000] = bytes(range(249, -1, -1)) * 12
         carried = [h.dev.stats["flow_ack_carried"] for h in (a, b)]
@@ -357,12 +359,12 @@ def test_ping_pongs_of_several_segments_get_through_a_bad_network(seed: int) -> 
     # through a network that loses, duplicates, swaps and corrupts: every
     # message lands whole and completes once, as through the usual path.
     rng = random.Random(seed)
-    a, b = (Host(ip, gso=False) for ip in ("127.0.0.2", "127.0.0.3"))
+    # no hand-over: there are no scheduler turns to count on a hand-turned clock
+    a, b = (Host(ip, gso=False, policy=LoopPolicy(hand_over_s=0.0)) for ip in ("127.0.0.2", "127.0.0.3"))
     try:
         clock = [1.0]
         for h in (a, b):
-            h.dev._clock = lambda: clock[0]
-            h.dev.hand_over_s = 0  # no scheduler turns to count on a hand-turned clock
+            h.dev.clock = lambda: clock[0]
         a.connect(b)
         b.connect(a)
         pa, pb = (x.dev.links[(y.dev.config.addr, y.dev.config.port)] for x, y in ((a, b), (b, a)))
@@ -379,8 +381,8 @@ def test_ping_pongs_of_several_segments_get_through_a_bad_network(seed: int) -> 
             for _ in range(4000):
                 clock[0] += 0.001
                 for x, y in ((sender, receiver), (receiver, sender)):
-                    out = _turn(x, ends[x], clock[0])
-                    _receive(y, ends[y], _mangle(out, rng, 0.05, 0.5), clock[0])
+                    out = turn(x, ends[x], clock[0])
+                    receive_all(y, ends[y], mangle(out, rng, 0.05, 0.5), clock[0])
                     done[x] += x.completions()
                 if (i, W.IBV_WC_SUCCESS) in done[sender] and \
                         (not send or (1000 + i, W.IBV_WC_SUCCESS) in done[receiver]):

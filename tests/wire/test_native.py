@@ -28,7 +28,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from udpverbs.daemon import device
+from udpverbs.daemon import rxlane, udp
 from udpverbs.transport.link import run_slots
 from udpverbs.wire import envelope, link, native, rdmap, segment
 from udpverbs.wire.link import PacketType
@@ -61,24 +61,24 @@ def _run(datagrams: list[bytes], seg: int | None = None, max_count: int = 256,
     from that offset; with ``send``, untagged: a Send (``send_op``) of MSN
     ``MSN`` into a receive of ``length`` bytes; with ``read``, Read Responses
     into a sink of ``length`` bytes at ``BASE``; with ``request``, requests
-    of that opcode, MSN ``MSN`` (all as daemon/device.py sets them up)."""
+    of that opcode, MSN ``MSN`` (all as daemon/rxlane.py sets them up)."""
     assert mod is not None
     ffi, lib = mod.ffi, mod.lib
     r = ffi.new("udpv_rx_run *")
     r.conn_tag, r.seq, r.max_count = TAG, ISN, max_count
     r.w0, r.w1 = (1 << 24) | QPN, PEER_QPN
     if request:
-        r.ctrl_more, r.rctl, r.ctrl_last, r.qn, length = device._REQUEST_LANE[request]
+        r.ctrl_more, r.rctl, r.ctrl_last, r.qn, length = rxlane.REQUEST_LANE[request]
         r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
         r.last_ends = r.whole = r.last_fills = r.many = 1
         next_to = 0
     elif send:
-        r.ctrl_more, r.rctl, r.ctrl_last = device._SEND_CTRL[send_op]
+        r.ctrl_more, r.rctl, r.ctrl_last = rxlane.SEND_CTRL[send_op]
         r.untagged, r.msn, r.stag, r.base = 1, MSN, 0, 0
         r.last_ends = 1
         next_to = next_to or 0
     elif read:
-        r.ctrl_more, r.rctl, r.ctrl_last = device._READ_RESPONSE_CTRL
+        r.ctrl_more, r.rctl, r.ctrl_last = rxlane.READ_RESPONSE_CTRL
         r.stag, r.base, r.last_ends, r.last_fills = STAG, BASE, 1, 1
         next_to = next_to or BASE
     else:
@@ -531,7 +531,7 @@ def _armed_pair(peer: "socket.socket") -> tuple[object, object, bytearray, "sock
     ffi = mod.ffi
     rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     rx.bind(("127.0.0.1", 0))
-    rx.setsockopt(socket.SOL_SOCKET, device.SO_TIMESTAMPNS, 1)
+    rx.setsockopt(socket.SOL_SOCKET, udp.SO_TIMESTAMPNS, 1)
     a = ffi.new("udpv_rx_recv *")
     a.fd = rx.fileno()
     host, port = peer.getsockname()

@@ -1,8 +1,7 @@
 """In-process latency passes: what each daemon pass of a 2-byte Write hop, a Send hop and a Read costs.
 
-Not a test: the measurement behind the account of ``read_lat`` and
-``send_lat`` against ``write_lat`` (the README's, and in full the
-performance history's).  Two Devices in one process, both loops turned by
+Why ``read_lat`` and ``send_lat`` cost what they do against ``write_lat``
+(docs/PERFORMANCE.md).  Two Devices in one process, both loops turned by
 hand, one operation at a time: each phase turns one device's loop until
 the phase is done (a datagram left, the data landed, the Read completed)
 and times it, with no scheduler, applications or other processes in the
@@ -15,14 +14,13 @@ answer just before its Send, whose pass then resolves it ahead); a Read's round 
 request's, the responder's, the requester's that places the response and
 completes the Read).
 
-    python -m tests.daemon.inprocess_lat [--iters 2000] [--reads-only | --sends-only] [--profile PHASE]
+    python -m udpverbs.bench.inprocess_lat [--iters 2000] [--reads-only | --sends-only] [--profile PHASE]
 
 ``--profile PHASE`` (one of the phase names printed) runs cProfile over
 that phase alone and prints its top functions by internal time.  Under
 cProfile the Send phases run past the 200 µs a receiver holds its Modified
 ACK for the answer, so the ACKs then leave alone and the profile shows a
-different protocol: sample those with ``py-spy`` instead (the performance
-history's twentieth round).
+different protocol: sample those with ``py-spy`` instead.
 """
 
 from __future__ import annotations
@@ -36,9 +34,10 @@ from typing import Callable
 
 import trio
 
-from udpverbs.wire.shm import WrOpcode
+from ..daemon.policy import LoopPolicy
+from ..wire.shm import WrOpcode
 
-from .test_batching import Host, establish
+from .inprocess import Host, establish
 
 PHASES = ("write_send", "write_receive", "send_send", "send_receive", "read_request", "read_respond", "read_complete")
 #: phases with more passes than this have stopped making progress
@@ -60,7 +59,10 @@ def _turn(host: Host, done: Callable[[], bool]) -> tuple[int, int]:
 
 
 async def main(iters: int, only: str | None, profile: str | None) -> None:
-    a, b = Host("127.0.0.2", gso=True), Host("127.0.0.3", gso=True)
+    # No hand-over after a send: with nobody else to run, its yields would
+    # time the wait, not the pass.
+    policy = LoopPolicy(hand_over_s=0.0)
+    a, b = Host("127.0.0.2", gso=True, policy=policy), Host("127.0.0.3", gso=True, policy=policy)
     prof = cProfile.Profile() if profile else None
     times: dict[str, list[int]] = {p: [] for p in PHASES}
     passes: dict[str, list[int]] = {p: [] for p in PHASES}
@@ -87,9 +89,6 @@ async def main(iters: int, only: str | None, profile: str | None) -> None:
 
     for h in (a, b):
         h.qp.caps["max_inline_data"] = 64  # Writes and Sends go inline, as perftest posts them
-        # No hand-over after a send: with nobody else to run, its yields
-        # would time the wait, not the pass.
-        h.dev.hand_over_s = 0
     try:
         a.connect(b)
         b.connect(a)

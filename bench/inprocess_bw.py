@@ -1,12 +1,10 @@
 """In-process Write stream: two Devices in one process, both loops turned by hand.
 
-Not a test: the measurement behind the fifth and sixth rounds' figures
-(docs/PERFORMANCE-HISTORY.md) and the README's whole-receive-pass row,
-which time each device's pass apart (what one datagram costs the sender's
-daemon and the receiver's) with no scheduler, applications or other
-processes in the way.
+What one datagram costs the sending daemon and the receiving one, each
+device's pass timed apart, with no scheduler, applications or other
+processes in the way (docs/PERFORMANCE.md).
 
-    python -m tests.daemon.inprocess_bw [--mtu 1472] [--size 65536] [--bytes 40000000] [--qps 1] [--depth 16]
+    python -m udpverbs.bench.inprocess_bw [--mtu 1472] [--size 65536] [--bytes 40000000] [--qps 1] [--depth 16]
                                         [--no-native] [--send]
 
 With ``--qps N`` the Writes are spread over N QP pairs on the one link,
@@ -22,9 +20,9 @@ import time
 
 import trio
 
-from udpverbs.wire.shm import WrOpcode
+from ..wire.shm import WrOpcode
 
-from .test_batching import MR_LEN, Host, establish, qp_pairs
+from .inprocess import MR_LEN, Host, establish, qp_pairs
 
 TIME_LIMIT_S = 300  # a stream that stops moving ends the run
 

@@ -1,0 +1,294 @@
+"""A peer link: one reliable link to one peer daemon, and what the QPs on it send.
+
+Theory of operation
+-------------------
+A :class:`PeerLink` wraps one ``transport.link.Link`` (sans-IO) with what
+the daemon's QPs need of it:
+
+- ``send`` queues a message (one DDP segment in its envelope); the pass's
+  flush (``flush``) sends what the link then lets leave.
+- ``send_alone`` sends a message *now*, when the link would send it alone at
+  the end of the pass anyway (a ping-pong's), and records it afterwards: the
+  peer waits on the datagram, not on our bookkeeping.  The device then arms
+  its receive lane for the answer and hands its CPU over for a moment
+  (``PeerHost.handed_over``).
+- ``send_tagged_run``/``send_untagged_run`` queue a run of segments of one
+  message that the compiled send lane builds in place (``wire/native.py``):
+  the payload is copied once, from the registered region to the buffer the
+  socket sends from.
+- ``send_request`` collects Read and atomic requests queued back to back (an
+  ORD window's) into one run of equal messages, which the compiled framer
+  frames in one call.
+
+How a stream's message is cut (``segment_size``): a UDP_SEGMENT send and a
+GRO batch can only end with a shorter datagram, so a message whose last
+segment is short takes a system call of its own at both ends.  A stream's
+message (others are queued with it) is cut evenly where two such messages
+fit one send, so consecutive messages of one size are datagrams of one size
+that ``UdpPort.send_segmented`` joins.  (DDP leaves the cutting to the
+sender, each segment within the MULPDU, RFC 5041 §5.2; the receiver places
+each by its offset.)
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import struct
+from typing import Any
+
+from ..transport.link import Burst, Link, LinkState, run_slots
+from ..wire import envelope, segment
+from ..wire import link as wire_link
+from .ports import PeerHost
+from .udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS
+
+#: datagrams a stream's Write or Read Response may take beyond the fewest,
+#: to make them equal (a Send's may take none: equal_segment_size)
+EQUAL_EXTRA = 2
+_NATIVE_U32 = struct.Struct("=I")
+
+
+def equal_segment_size(total: int, max_data: int, overhead: int, extra: int = EQUAL_EXTRA) -> int:
+    """The payload of each segment a stream's message of ``total`` bytes is
+    cut into: ``total`` split evenly over the fewest segments of at most
+    ``max_data`` bytes, or over up to ``extra`` more, if two such messages
+    (``overhead`` bytes more a datagram) fit one UDP_SEGMENT send; else
+    ``max_data``, the last segment shorter.
+
+    See the module docstring for why.  Where two messages cannot share a
+    send nothing pays for an even cut.  A datagram more pays for Writes, not
+    for Sends: a Send's extra datagram costs the sender as much Python as
+    the system call it saves, so a Send is cut evenly only over the fewest
+    segments (``extra`` 0).
+    """
+    k = -(-total // max_data)
+    if 1 < k and 2 * k <= GSO_MAX_SEGMENTS:
+        for n in range(k, min(k + extra, GSO_MAX_SEGMENTS // 2) + 1):
+            if total % n == 0:
+                # more segments only add bytes: the first that divides decides
+                if 2 * (total + n * overhead) <= GSO_MAX_BYTES:
+                    return total // n
+                break
+    return max_data
+
+
+class SendLane:
+    """The compiled send lane's buffers (``wire/native.py``), shared by a device's peer links."""
+
+    def __init__(self, native: Any) -> None:
+        ffi = native.ffi
+        self.ffi = ffi
+        self.lib = native.lib
+        # the segment headers of a run, packed in place by wire/segment.py
+        self.segments = ffi.new("udpv_tx_segments *")
+        self.more = ffi.buffer(self.segments.more)
+        self.last = ffi.buffer(self.segments.last)
+        self.tail = ffi.buffer(self.segments.tail)
+        # A run's buffer is not zeroed: every byte a packet takes is written
+        # before it leaves (the bodies by udpv_tx_bodies, the headers and
+        # CRCs by the framer), and zeroing 64 KiB cost about a microsecond
+        # a message.
+        self.alloc = ffi.new_allocator(should_clear_after_alloc=False)
+
+
+class PeerLink:
+    """One reliable link to one peer daemon, and the QPs that use it."""
+
+    __slots__ = ("host", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint", "ack_waiters",
+                 "ready", "requests", "rx_addr", "rx_port")
+
+    def __init__(self, host: PeerHost, addr: tuple[str, int], link: Link) -> None:
+        self.host = host
+        self.addr = addr
+        self.link = link
+        self.qps: set[Any] = set()  # the QueuePairs bound to this link
+        self.up = True  # messages may be queued before the handshake ends
+        self.failed_reason = ""
+        # (QP, STag, RDMAP opcode) of the last RDMA Write or Read Response
+        # segment received, or of a Send's segment that was not its last
+        # (the STag: its Invalidate STag): what the compiled receive lane
+        # may place next (revalidated per call; rxlane.py)
+        self.rx_hint: tuple[Any, int, int] | None = None
+        # the peer as the compiled read compares a datagram's source (rxlane.py)
+        try:
+            self.rx_addr: int = _NATIVE_U32.unpack(socket.inet_aton(addr[0]))[0]
+        except OSError:
+            self.rx_addr = 0
+        self.rx_port: int = socket.htons(addr[1])
+        # (link message number, QP): an RDMA Write's last segment, queued in
+        # number order; the QP may complete once the link acknowledges it
+        self.ack_waiters: collections.deque[tuple[int, Any]] = collections.deque()
+        # QPs with data to send on this link, served round robin while the
+        # link takes more (a dict as an ordered set; scheduler.py)
+        self.ready: dict[Any, None] = {}
+        # Read and atomic requests queued back to back, not yet on the link
+        # (``send_request``)
+        self.requests: list[bytearray] = []
+        # payload bytes per DDP segment: link body minus envelope + tagged header
+        self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
+
+    def segment_size(self, total: int, stream: bool, untagged: bool = False) -> int:
+        """The payload of each segment of a message of ``total`` bytes, tagged
+        (an RDMA Write's or a Read Response's) or ``untagged`` (a Send's):
+        cut evenly where that lets a stream's messages share system calls
+        (``stream``: others are queued with it; :func:`equal_segment_size`),
+        else as many bytes as fit, the last segment shorter, as a message
+        sent alone (a ping-pong's) always is."""
+        prefix = segment.UNTAGGED_PREFIX_LEN if untagged else segment.TAGGED_PREFIX_LEN
+        max_data = self.max_data + segment.TAGGED_PREFIX_LEN - prefix
+        if stream and self.host.udp.gso:
+            return equal_segment_size(total, max_data, wire_link.OVERHEAD + prefix, 0 if untagged else EQUAL_EXTRA)
+        return max_data
+
+    # -- queueing and sending ----------------------------------------------------
+    def send(self, message: bytes | bytearray, ack_now: bool = True, ack_carrier: bool = True) -> int:
+        """Queue one message on the link; return its message number
+        (``ack_now``, ``ack_carrier``: as for ``Link.send``)."""
+        if self.requests:
+            self.flush_requests()
+        return self.link.send(message, self.host.now, ack_now, ack_carrier)
+
+    def send_alone(self, message: bytes | bytearray, ack_now: bool = True, ack_carrier: bool = True) -> int | None:
+        """Send ``message`` now, in a datagram of its own, if the link would
+        send it alone at the end of this pass anyway; return its number, or
+        None (then nothing happened: queue it with :meth:`send`)."""
+        host = self.host
+        udp = host.udp
+        if self.requests or udp.sock is None:
+            return None
+        now = host.clock()
+        link = self.link
+        d = link.frame_alone(message, now, ack_now)
+        if d is None:
+            return None
+        udp.sendto(d, self.addr)
+        host.stats["tx_alone"] += 1
+        host.handed_over(self)
+        return link.sent_alone(message, len(d), now, ack_carrier)
+
+    def flush(self) -> bool:
+        """Send what the link lets leave now (its queued requests first);
+        True if anything was sent."""
+        if self.requests:
+            self.flush_requests()
+        host = self.host
+        udp = host.udp
+        link = self.link
+        out = (link.bursts_to_send if udp.gso else link.datagrams_to_send)(host.now, host.clock)
+        if not out or udp.sock is None:
+            return False
+        udp.send_out(out, self.addr)
+        return True
+
+    def send_request(self, message: bytearray) -> None:
+        """Queue a Read or atomic request (as ``send(message,
+        ack_carrier=False)``).  Requests queued back to back, an ORD
+        window's, go on the link together as one run of equal messages
+        when anything else is queued or the device sends (``flush_requests``):
+        the compiled framer then frames them in one call, where each alone
+        would take a packet encoded in Python."""
+        self.requests.append(message)
+
+    def flush_requests(self) -> None:
+        """Put the requests ``send_request`` holds on the link, in order
+        (dropped if the link has ended since: its QPs fail with it)."""
+        requests = self.requests
+        self.requests = []
+        if self.link.state >= LinkState.CLOSED:
+            return
+        size = len(requests[0])
+        if len(requests) == 1 or self.host.tx_lane is None or any(len(m) != size for m in requests):
+            for m in requests:
+                self.link.send(m, self.host.now, True, False)
+            return
+        head, slot = run_slots(size)
+        buf = bytearray(len(requests) * slot)
+        at = head
+        for m in requests:
+            buf[at:at + size] = m
+            at += slot
+        self.link.send_run(buf, size, len(requests), size, ack_carrier=False)
+
+    # -- runs of segments built by the compiled send lane -------------------------
+    def send_tagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, stag: int, to: int, src: memoryview,
+                        start: int, count: int, seg: int, last_len: int, ends: bool) -> int:
+        """Queue ``count`` tagged segments of one message (RFC 5041 §4.1: an
+        RDMA Write or Read Response), payload from ``src[start:]`` (``seg``
+        bytes each, at most ``max_data``, the last ``last_len``), built by
+        the compiled send lane; return the last one's message number.
+
+        ``ends``: the last of them is the message's last segment.
+        """
+        if self.requests:
+            self.flush_requests()
+        lane = self.host.tx_lane
+        segment.pack_tagged_into(lane.more, 0, dst_qpn, src_qpn, opcode, False, stag, 0)
+        segment.pack_tagged_into(lane.last, 0, dst_qpn, src_qpn, opcode, True, stag, 0)
+        t = lane.segments
+        t.prefix, t.off_at, t.off_len, t.off = segment.TAGGED_PREFIX_LEN, segment.TO_AT, 8, to
+        t.tail_len = 0
+        return self._send_segments(src, start, count, last_len, ends, segment.TAGGED_PREFIX_LEN + seg)
+
+    def send_untagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, msn: int, mo: int, inv_stag: int,
+                          flags: int, src: memoryview, start: int, count: int, seg: int, last_len: int, ends: bool,
+                          flow_ack: int | None = None) -> int:
+        """As :meth:`send_tagged_run`, for untagged segments (RFC 5041 §4.2:
+        a Send's) of message ``msn`` from offset ``mo``; ``flags``, the
+        envelope flags, go on the message's last segment only, and so does
+        ``flow_ack``, a Modified ACK's MSN, as the FLOW_ACK trailer after
+        its payload (``flags`` then has FLOW_ACK)."""
+        if self.requests:
+            self.flush_requests()
+        lane = self.host.tx_lane
+        segment.pack_untagged_into(lane.more, 0, dst_qpn, src_qpn, opcode, False, msn, 0, inv_stag, 0)
+        segment.pack_untagged_into(lane.last, 0, dst_qpn, src_qpn, opcode, True, msn, 0, inv_stag, flags)
+        t = lane.segments
+        t.prefix, t.off_at, t.off_len, t.off = segment.UNTAGGED_PREFIX_LEN, segment.MO_AT, 4, mo
+        t.tail_len = 0 if flow_ack is None else envelope.pack_flow_ack_into(lane.tail, 0, flow_ack)
+        return self._send_segments(src, start, count, last_len, ends, segment.UNTAGGED_PREFIX_LEN + seg)
+
+    def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool, stride: int) -> int:
+        """The bodies of the segments whose headers the send lane holds,
+        ``stride`` bytes each but the last, queued on the link (or, a
+        ping-pong's whole message, sent at once)."""
+        host = self.host
+        lane = host.tx_lane
+        ffi = lane.ffi
+        prefix = lane.segments.prefix
+        # the k-th body: its header, its payload and (a message's last) its tail
+        last_body = prefix + last_len + (lane.segments.tail_len if ends else 0)
+        # each body where its link packet will be, so the framer leaves it there
+        head, slot = run_slots(stride)
+        dst = lane.alloc("uint8_t[]", (count - 1) * slot + slot - stride + last_body)
+        mem = ffi.from_buffer("uint8_t[]", src)
+        try:
+            lane.lib.udpv_tx_bodies(lane.segments, dst + head, mem + start, count, stride, last_len, ends, slot)
+        finally:
+            ffi.release(mem)  # no export may outlive the call: deregistration releases the view
+        buf = memoryview(ffi.buffer(dst))
+        link = self.link
+        # A whole message on a link with nothing queued or unacknowledged (a
+        # ping-pong's, of several datagrams) leaves now, the CPU is handed
+        # over, and the link records it after that, as for a message of one
+        # datagram (send_alone).  In a stream something is always in
+        # flight, and the flush sends runs together.
+        if ends and host.eager_runs and host.udp.sock is not None and link.quiet():
+            now = host.clock()
+            view = link.frame_run_alone(buf, stride, count, last_body, prefix, now)
+            if view is not None:
+                self._send_burst_now(Burst(view, stride + wire_link.OVERHEAD))
+                return link.sent_run_alone(buf, stride, count, last_body, now) + count - 1
+        return link.send_run(buf, stride, count, last_body, built=prefix) + count - 1
+
+    def _send_burst_now(self, burst: Burst) -> None:
+        """Send a run framed alone (``Link.frame_run_alone``) and hand the CPU over."""
+        host = self.host
+        udp = host.udp
+        if udp.gso:
+            udp.send_segmented([burst], self.addr)
+        else:
+            udp.send_each(burst.datagrams(), self.addr)
+        udp.sent = True
+        host.stats["tx_run_alone"] += 1
+        host.handed_over(self)

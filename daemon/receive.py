@@ -1,0 +1,360 @@
+"""The receive step of a pass: datagrams read, fed to their links, messages routed.
+
+Theory of operation
+-------------------
+Each pass reads what waits on the UDP socket (at most ``RX_BUDGET``
+buffers and ``RX_BYTE_BUDGET`` bytes, so that ACKs keep flowing while a
+backlog is worked off) and feeds every buffer to the link of the peer it
+came from; a new INIT from an unknown address opens a passive link (the
+device decides).  With UDP_GRO one buffer may hold many datagrams of one
+size, cut here.
+
+While a peer streams, runs of datagrams go to the compiled receive lane
+(``rxlane.py``); the datagrams it does not take go through the link one by
+one, and whatever they deliver is dispatched at once (:meth:`Receiver.dispatch`):
+a later segment must not be placed before an earlier message has had its
+effect (a Send with Invalidate, say).  Dispatch routes DDP and FLOW
+messages to their QP (checked against the link and the peer QP) and CM
+messages to the connection manager, and sets the link's hint for the lane.
+
+At most ``rx_dispatch_budget`` datagrams of one buffer take the Python path
+in a pass; the rest is kept (``rest``) for the next pass, which finishes it
+before it reads the socket again.  The pass in between sends the answers
+to the first part (atomic and Read responses, ACKs), so the peer works on
+those while we work on the rest: otherwise a batch of requests and a batch
+of answers alternate between two daemons that each idle half the time.
+
+When the lane is armed (``ReceiveLane.arm``), the pass reads the socket
+through it (:meth:`Receiver.read_armed`): one compiled call reads the
+datagram and places it.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import socket
+import struct
+import time
+from typing import Any, Callable
+
+from ..transport.link import LinkState
+from ..wire import envelope, segment
+from ..wire.envelope import Kind
+from ..wire.errors import WireError
+from .opcodes import ANSWERED_BY_DAEMON, FLOW_ACK, OP_ATOMIC_RESPONSE, OP_READ_RESPONSE, OP_WRITE, RECEIVING
+from .peer import PeerLink
+from .rxlane import SEND_CTRL, SEND_ENDS_IN_LANE, WHOLE_MAX, ReceiveLane
+from .scheduler import QPScheduler
+from .udp import RX_BUF, UdpPort, arrival
+
+log = logging.getLogger("udpverbs.daemon")
+
+#: datagram buffers one pass reads before it dispatches, ACKs and sends:
+#: well under a link's receive window (more would be dropped as out of
+#: window before the drain) and small enough that ACKs keep flowing while
+#: a backlog is worked off (a 4 MB socket buffer read in one pass held
+#: every ACK past the sender's RTO)
+RX_BUDGET = 128
+#: ... and at most this many bytes: 128 buffers of 64 KB would be several
+#: milliseconds of copying, CRC and placement before the pass's ACK
+RX_BYTE_BUDGET = 1 << 20
+#: read_armed: the arming no longer held, and the socket has something to read
+_RX_READY = 2
+_LINK_ESTABLISHED = LinkState.ESTABLISHED
+_NATIVE_U32 = struct.Struct("=I")
+
+
+class Receiver:
+    """The receive step (see the module docstring)."""
+
+    def __init__(self, udp: UdpPort, links: dict[tuple[str, int], PeerLink], qps: dict[int, Any],
+                 scheduler: QPScheduler, lane: ReceiveLane | None, stats: collections.Counter[str],
+                 dispatch_budget: int, open_passive: Callable[[tuple[str, int], bytes], PeerLink | None]) -> None:
+        self.udp = udp
+        self.links = links
+        self.qps = qps
+        self.sched = scheduler
+        self.lane = lane
+        self.stats = stats
+        #: datagrams of one buffer the Python path takes in a pass (0: no limit)
+        self.dispatch_budget = dispatch_budget
+        self.open_passive = open_passive
+        self.cm: Any = None  # the connection manager (set by it, through the device)
+        #: the part of a GRO buffer a pass left for the next: (link, buffer,
+        #: offset, segment size, arrival time)
+        self.rest: tuple[PeerLink, bytes, int, int, float] | None = None
+        #: the link that last received, to arm the lane for; the links an
+        #: armed read fed, for the pass's dispatch
+        self.arm_link: PeerLink | None = None
+        self.touched: set[PeerLink] = set()
+
+    # -- the step -----------------------------------------------------------------
+    def step(self, now: float) -> bool:
+        """The pass's receive step; True if anything was read."""
+        if self.rest is not None:
+            # Finish the buffer a pass left before reading the socket again:
+            # what it holds arrived first.
+            self.receive_rest(now)
+            return True
+        udp = self.udp
+        if udp.sock is None:
+            return False
+        lane = self.lane
+        rx = udp.rx_epoll
+        got = self.read_armed(now) if lane is not None and lane.armed is not None \
+            else _RX_READY if rx is None or rx.poll(0) else 0
+        if not got:
+            return False
+        touched = self.touched  # the armed read's link, if it read
+        self.touched = set()
+        self._read_socket(now, got, touched)
+        if not touched:
+            return False
+        for pl in touched:
+            for msg in pl.link.drain_received():
+                self.dispatch(pl, msg)
+        return True
+
+    def _read_socket(self, now: float, got: int, touched: set[PeerLink]) -> None:
+        """Read buffers from the socket within the pass's budgets, each fed
+        to its link (after an armed read, ``got`` 1: ask first)."""
+        udp = self.udp
+        # now - realtime: converts a kernel stamp to our clock (computed per
+        # pass, so a step of the wall clock corrupts one pass at most)
+        rt_to_now = now - time.time()
+        # After the armed read, the loop asks the epoll first (and reads
+        # nothing while that read left part of a buffer for the next pass).
+        budget = RX_BUDGET if got == _RX_READY else 0 if self.rest is not None else RX_BUDGET - 1
+        byte_budget = RX_BYTE_BUDGET
+        while budget > 0 and byte_budget > 0:
+            if budget < RX_BUDGET and not udp.readable():
+                break  # drained: asking is far cheaper than a recvmsg that fails
+            budget -= 1
+            buffer = udp.receive(now, rt_to_now)
+            if buffer is None:
+                break
+            data, addr, seg, arrived = buffer
+            byte_budget -= len(data)
+            if seg < 0:
+                continue
+            if seg < len(data):
+                budget -= len(data) // seg
+            self.received(addr, data, seg, now, arrived, touched)
+            if self.rest is not None:
+                break  # the rest of that buffer first, next pass
+
+    def received(self, addr: tuple[str, int], data: bytes, seg: int, now: float, arrived: float,
+                 touched: set[PeerLink]) -> None:
+        """Feed a buffer read from ``addr`` to its link (``receive``), or
+        to a new passive one; add the link to ``touched``."""
+        if self.lane is not None:
+            self.lane.armed = None  # set up for what the link expected before this
+        pl = self.links.get(addr)
+        if pl is None:
+            # Each datagram from an unknown peer is judged (and
+            # counted) alone until one opens a link.
+            start = 0
+            while True:
+                pl = self.open_passive(addr, data[start:start + seg])
+                if pl is not None or start + seg >= len(data):
+                    break
+                start += seg
+            if pl is None:
+                return
+            if start:
+                data = data[start:]
+        self.arm_link = pl
+        self.receive(pl, data, seg, now, arrived)
+        touched.add(pl)
+
+    def read_armed(self, now: float) -> int:
+        """Read the socket once through the armed lane: 1 if something was
+        read (the caller reads on while the socket has more), 0 if nothing
+        was; if the arming no longer holds, ``_RX_READY`` when the socket
+        has something for the usual way to read, else 0."""
+        lane = self.lane
+        pl, setup, mem, rcv_nxt, version = lane.armed  # type: ignore[union-attr,misc]
+        link = pl.link
+        # (a link leaves the table only when it ends: its state covers that)
+        if setup.qp.state not in RECEIVING or link.rcv_nxt != rcv_nxt or link.state != _LINK_ESTABLISHED \
+                or lane.stags.version != version:
+            lane.armed = None
+            self.stats["rx_armed_stale"] += 1
+            return _RX_READY if self.udp.readable() else 0
+        rx = lane.recv
+        k = lane.lib.udpv_rx_recv_run(rx, lane.run, lane.buf, RX_BUF, mem)
+        if k < 0:
+            if rx.err == errno.EAGAIN or rx.err == errno.EINTR:
+                return 0  # still armed
+            lane.armed = None
+            self.stats["rx_oserror"] += 1  # e.g. ICMP port unreachable reported on the socket
+            return 1
+        lane.armed = None
+        self.stats["rx_armed"] += 1
+        n = rx.n
+        if rx.truncated:
+            self.stats["rx_truncated"] += 1
+            return 1
+        arrived = now
+        if rx.ts_sec:
+            arrived = arrival(rx.ts_sec + rx.ts_nsec * 1e-9 + (now - time.time()), now)
+        seg = rx.seg
+        if seg < n:
+            self.stats["rx_gro_batches"] += 1
+        if not rx.from_peer:
+            addr = (socket.inet_ntoa(_NATIVE_U32.pack(rx.src_addr)), socket.ntohs(rx.src_port))
+            self.received(addr, lane.ffi.buffer(lane.buf, n)[:], seg, now, arrived, self.touched)
+            return 1
+        self.touched.add(pl)
+        self.arm_link = pl
+        self._armed_taken(pl, setup, k, n, seg, now, arrived)
+        return 1
+
+    def _armed_taken(self, pl: PeerLink, setup: Any, k: int, n: int, seg: int, now: float, arrived: float) -> None:
+        """The armed read took ``n`` bytes from ``pl``'s peer, the lane ``k``
+        datagrams of them: account for those, then the rest as ``receive``
+        goes on after a lane call."""
+        lane = self.lane
+        data = None
+        if k == 0 or k * seg < n or setup.request is not None:
+            # the Python path, or a request's answer, reads the datagrams:
+            # a copy, since the next read reuses the buffer
+            data = lane.ffi.buffer(lane.buf, n)[:]  # type: ignore[union-attr]
+        if k:
+            used = lane.run_taken(pl, setup, k, data, 0, n, seg, now, arrived)  # type: ignore[union-attr]
+        else:
+            # What the lane did not take goes the Python path, as in receive.
+            pl.link.datagram_received(memoryview(data)[:seg], now, arrived)  # type: ignore[arg-type]
+            used = seg
+            for msg in pl.link.drain_received():
+                self.dispatch(pl, msg)
+        if used < n:
+            # the requests the lane took count against the pass's budget
+            spent = k if k and setup.op in ANSWERED_BY_DAEMON else 0
+            self.receive(pl, data, seg, now, arrived, used, spent)  # type: ignore[arg-type]
+
+    def receive_rest(self, now: float) -> None:
+        """Go on with the buffer an earlier pass left (``rest``), within the budget again."""
+        assert self.rest is not None
+        pl, data, off, seg, arrived = self.rest
+        self.rest = None
+        if self.lane is not None:
+            self.lane.armed = None
+        if self.links.get(pl.addr) is not pl:
+            return  # the link went away in between: what it held goes with it
+        self.receive(pl, data, seg, now, arrived, off)
+        for msg in pl.link.drain_received():
+            self.dispatch(pl, msg)
+
+    def receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float, off: int = 0,
+                spent: int = 0) -> None:
+        """Feed one received buffer to ``pl``'s link from offset ``off``: a
+        datagram, or (``seg`` < its length) datagrams of ``seg`` bytes
+        coalesced by GRO; runs of them to the lane where it takes them.
+        ``spent``: requests of this buffer the armed read took already.
+        What the dispatch budget leaves is kept in ``rest``."""
+        link = pl.link
+        n = len(data)
+        # Without a hint, a GRO buffer still goes datagram by datagram where
+        # the lane exists: the Python path's first segment of a Send (or of
+        # a Read's responses) sets the hint for the rest of the buffer.
+        if n == 0 or pl.rx_hint is None and (seg >= n or self.lane is None):
+            if seg >= n:
+                link.datagram_received(data, now, arrived)
+            else:
+                view = memoryview(data)
+                for at in range(off, n, seg):
+                    link.datagram_received(view[at:at + seg], now, arrived)
+            return
+        budget = (self.dispatch_budget or n) - spent
+        if spent and budget <= 0:
+            self.rest = (pl, data, off, seg, arrived)
+            return
+        view = memoryview(data)
+        lane = self.lane
+        while off < n:
+            hint = pl.rx_hint
+            if hint is not None:
+                # requests as many as the budget has left; anything else, no limit
+                answered = hint[2] in ANSWERED_BY_DAEMON
+                used = lane.place_run(pl, data, off, seg, now, arrived, budget if answered else WHOLE_MAX)  # type: ignore[union-attr]
+                off += used
+                if off >= n:
+                    break
+                if used and lane.run.ended:  # type: ignore[union-attr]
+                    # A message ended the run (a Send, a Read, requests):
+                    # the next may be another, for the lane again.  A
+                    # request's answer is this pass's work, as on the
+                    # Python path, so each counts against the budget.
+                    if answered:
+                        budget -= -(-used // seg)
+                        if budget <= 0:
+                            self.rest = (pl, data, off, seg, arrived)
+                            return
+                    continue
+            link.datagram_received(view[off:off + seg], now, arrived)
+            off += seg
+            for msg in link.drain_received():
+                self.dispatch(pl, msg)
+            budget -= 1
+            if not budget and off < n:
+                self.rest = (pl, data, off, seg, arrived)
+                return
+
+    # -- routing a delivered message ----------------------------------------------------
+    def dispatch(self, pl: PeerLink, msg: bytes) -> None:
+        """Route one delivered message.  Never raises: bad input is a counter."""
+        try:
+            env, hdr, payload = segment.decode_untrusted(msg)
+        except WireError as e:
+            self.stats["rx_" + e.reason] += 1
+            return
+        try:
+            kind = env.kind
+            if kind == Kind.DDP or kind == Kind.FLOW:
+                qp = self.qps.get(env.dst_qpn)
+                if qp is None or qp.link is not pl or qp.dest_qpn != env.src_qpn:
+                    self.stats["rx_no_qp"] += 1
+                    return
+                self.sched.qp_changed(qp)
+                if kind == Kind.DDP:
+                    self._segment(pl, qp, env, hdr, payload, msg)
+                else:
+                    qp.on_flow(payload)  # what it completes, the completion step reports
+            elif kind == Kind.CM and self.cm is not None:
+                self.cm.on_message(pl, payload)
+            else:
+                self.stats["rx_unhandled_kind"] += 1
+        except Exception:  # an engine bug must not take the daemon down
+            self.stats["rx_exception"] += 1
+            log.exception("error handling a message from %s:%d", *pl.addr)
+
+    def _segment(self, pl: PeerLink, qp: Any, env: Any, hdr: Any, payload: memoryview, msg: bytes) -> None:
+        """A DDP segment for ``qp``: to its responder, then the lane's hint
+        for what may come next from this link."""
+        raw = memoryview(msg)[envelope.ENVELOPE_LEN:]
+        if env.flags & FLOW_ACK:
+            qp.on_flow_ack(envelope.flow_ack_msn(msg))
+            raw = raw[:-envelope.FLOW_ACK_LEN]
+        qp.on_segment(hdr, payload, raw, env.flags)
+        op = hdr.opcode
+        if op == OP_READ_RESPONSE or op == OP_ATOMIC_RESPONSE:
+            self.sched.complete_done(qp)  # as the lane does
+        if op in ANSWERED_BY_DAEMON:
+            if self.lane is not None:
+                pl.rx_hint = (qp, 0, op)  # the next request
+            return
+        sched = self.sched
+        sched.delivered = True
+        sched.delivered_to = qp
+        if self.lane is None:
+            return
+        if op == OP_WRITE or op == OP_READ_RESPONSE:
+            pl.rx_hint = (qp, hdr.stag, op)
+        elif op == OP_ATOMIC_RESPONSE:
+            pl.rx_hint = (qp, 0, op)  # the next one
+        elif op in SEND_CTRL and (qp.rx_recv is not None if not hdr.last else op in SEND_ENDS_IN_LANE):
+            # the rest of this Send, or the next one
+            pl.rx_hint = (qp, hdr.inv_stag, op)

@@ -1,0 +1,517 @@
+"""The compiled receive lane's glue: runs of segments placed in one C call.
+
+Theory of operation
+-------------------
+While a peer streams, most of what it sends is more of the same: segments
+of one RDMA Write into one region, Read Responses into the ORRQ head's
+sink, a Send's segments into one receive, Read or atomic requests, Atomic
+Responses.  The receive side remembers what came last from each peer link
+(``PeerLink.rx_hint``); from that, :meth:`ReceiveLane.setup` fills the
+lane's run description (``udpv_rx_run``, ``wire/native.py``) with what the
+next datagrams may be, and the C function ``udpv_rx_write_run`` checks each
+datagram of a buffer against it (link header, tag, sequence, CRC, envelope,
+DDP/RDMAP header, bounds) and places the payloads, stopping at the first it
+does not take.  What it did not take goes the Python path
+(``receive.Receiver``), one datagram at a time.
+
+What the lane does not check, :meth:`setup` checks once per call, asking the
+QP's responder and completer: the hinted QP still receives on this link;
+for a Write, the STag names a region of its PD with remote write access; for
+a Read Response, it is the sink of the Read at the ORRQ head, one SGE; for
+a Send, a receive of one SGE is under way or posted and no RNR NACK or
+Immediate Data is pending.  After the call, :meth:`run_taken` reports what
+was placed to the QP (its responder and completer complete receives and
+Reads), takes whole requests and Atomic Responses as the Python path does,
+and accounts for the run on the link (``Link.data_run_received``).
+
+Arming (:meth:`arm`): at the end of a pass that sent, the lane is set up for
+the answer before it comes; the next pass reads the socket and places the
+answer in one compiled call (``Receiver.read_armed``).  What the set-up read
+may change before then is checked again there.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, NamedTuple
+
+from ..wire import ddp, envelope, rdmap, segment
+from ..wire import link as wire_link
+from ..wire.rdmap import Opcode
+from .opcodes import (
+    ANSWERED_BY_DAEMON,
+    OP_ATOMIC_RESPONSE,
+    OP_READ_RESPONSE,
+    OP_WRITE,
+    RECEIVING,
+    SEND_OPCODE,
+    U32,
+)
+from .peer import PeerLink
+from .records import PendingRead
+from .udp import RX_BUF
+
+# The lane's control bytes: (DDP control of a segment that is not the last,
+# RDMAP control[, DDP control of the last])
+WRITE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_WRITE, False), rdmap.tagged_control(Opcode.RDMA_WRITE, True)[0])
+READ_RESPONSE_CTRL = (*rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, False),
+                      rdmap.tagged_control(Opcode.RDMA_READ_RESPONSE, True)[0])
+# The lane never takes a Send with Invalidate's last segment (the STag is
+# invalidated in Python before the receive completes), so the control byte
+# of the others stands for both.  (A "matches nothing" value would need
+# care: 0 is a control byte the decoder refuses, and the lane would accept
+# it.)  A plain Send's or a Read Response's last segment ends the lane's
+# run, and ``run_taken`` completes the receive or the Read.
+SEND_ENDS_IN_LANE = frozenset({int(Opcode.SEND), int(Opcode.SEND_SE)})
+SEND_CTRL = {int(op): (ctrl, rctl, rdmap.UNTAGGED_CONTROL[op, True][0] if op in SEND_ENDS_IN_LANE else ctrl)
+             for (op, last), (ctrl, rctl, _) in rdmap.UNTAGGED_CONTROL.items()
+             if not last and op in SEND_OPCODE.values()}
+#: what the lane places by STag (the rest of its runs are Sends or whole requests and responses)
+TAGGED_LANE = frozenset({OP_WRITE, OP_READ_RESPONSE})
+# Requests and Atomic Responses the lane takes whole, one per run, each of
+# its fixed size (RFC 5040 §4.4, RFC 7306 §5.2, §5.3) on its own queue:
+# (DDP control of a segment that is not the last, RDMAP control, DDP
+# control of the last, QN, body length)
+REQUEST_LANE = {int(op): (*rdmap.UNTAGGED_CONTROL[op, False][:2], *rdmap.UNTAGGED_CONTROL[op, True][::2],
+                          rdmap.SINGLE_SEGMENT[op]) for op in (*ANSWERED_BY_DAEMON, OP_ATOMIC_RESPONSE)}
+#: at most this many of them in one lane call (a GRO buffer holds up to 64 datagrams)
+WHOLE_MAX = 64
+#: where a segment's DDP header starts in a link packet, and how much follows its payload
+_SEGMENT_AT = wire_link.HEADER_LEN + envelope.ENVELOPE_LEN
+_CRC_LEN = wire_link.CRC_LEN
+_TN = tuple.__new__  # a NamedTuple built without its Python __new__ (see rdmap)
+
+
+class RunSetup(NamedTuple):
+    """What :meth:`ReceiveLane.setup` set the lane's run up for, as
+    :meth:`ReceiveLane.run_taken` needs it after the call."""
+
+    qp: Any  #: the QueuePair the run is for
+    op: int  #: its RDMAP opcode
+    view: Any  #: the memory the lane writes into (None: it only checks)
+    start: int  #: where in ``view`` the run's offsets count from
+    recv: Any  #: a Send's receive (``Responder.send_target``)
+    rd: Any  #: Read Responses' PendingRead (``Completer.read_sink``)
+    request: Any  #: whole requests' or Atomic Responses' ``REQUEST_LANE`` entry
+    msn: Any  #: their first MSN
+
+
+class LaneCall(NamedTuple):
+    """One lane call over Read Responses (``ReceiveLane.next_reads_responses``)."""
+
+    count: int  #: datagrams taken
+    nbytes: int  #: payload bytes placed
+    ended: int  #: the call ended its Read
+    ack: int  #: the ACK field the datagrams carried
+    ts: int  #: the first datagram's timestamp, echo, window and flags
+    echo: int
+    rwnd: int
+    flags: int
+    last_ts: int  #: the last datagram's timestamp and window
+    last_rwnd: int
+    flags_or: int  #: the flags of all of them
+    end: int  #: the buffer offset after the call's datagrams
+
+
+def _call_of(r: Any, count: int, end: int) -> LaneCall:
+    return _TN(LaneCall, (count, r.bytes, r.ended, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd,
+                          r.first_flags, r.last_ts, r.last_rwnd, r.flags_or, end))
+
+
+class ReceiveLane:
+    """The compiled receive lane's state and the calls around it (see the module docstring)."""
+
+    def __init__(self, native: Any, qps: dict[int, Any], stags: Any, stats: collections.Counter[str],
+                 scheduler: Any, eager_answers: bool) -> None:
+        ffi = native.ffi
+        self.ffi = ffi
+        self.lib = native.lib
+        self.qps = qps
+        self.stags = stags
+        self.stats = stats
+        self.sched = scheduler
+        self.eager_answers = eager_answers
+        self.run = ffi.new("udpv_rx_run *")
+        self.recv = ffi.new("udpv_rx_recv *")  # the armed read's socket and source (Receiver.read_armed)
+        self.buf = ffi.new("uint8_t[]", RX_BUF)
+        # the lane's memory for whole requests and Atomic Responses: none
+        # (the QP reads them in the datagram)
+        self.no_mem = ffi.cast("uint8_t *", 0)
+        #: what ``run``'s constant settings are for: (rx_hint, region, dest QPN) of
+        #: a Write, (rx_hint, dest QPN) of a Send; None: set them
+        self.run_key: Any = None
+        #: the lane set up ahead for the next datagram (``arm``): (link,
+        #: ``setup``'s answer, memory, the link's next sequence, the STag
+        #: table's version)
+        self.armed: tuple[PeerLink, RunSetup, Any, int, int] | None = None
+
+    # -- setting a run up ---------------------------------------------------------
+    def setup(self, pl: PeerLink, limit: int, drop: bool = True) -> RunSetup | None:
+        """Set the lane's run for what ``pl``'s hint names, after the checks
+        the module docstring lists; return what the run's taking needs
+        (``run_taken``), or None (the hint dropped, unless ``drop`` is
+        False, or the link takes nothing in a run now).  ``limit``: the most
+        whole requests one call may take."""
+        qp, stag, op = pl.rx_hint  # type: ignore[misc]
+        if qp.state not in RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
+            return _no_run(pl, drop)
+        if op == OP_WRITE:
+            found = self._set_write(qp, stag, pl.rx_hint)
+        elif op in SEND_CTRL:
+            found = self._set_send(qp, stag, op, pl.rx_hint)
+        else:
+            self.run_key = None
+            request = REQUEST_LANE.get(op)
+            found = self._set_whole(qp, op, stag, request) if request is not None else self._set_read_responses(qp)
+        if found is None:
+            return _no_run(pl, drop)
+        expect = pl.link.run_receivable()
+        if expect is None:
+            return None
+        r = self.run
+        r.conn_tag, r.seq, r.max_count = expect
+        if found.request is not None:
+            room = limit if limit < WHOLE_MAX else WHOLE_MAX
+            if r.max_count > room:
+                r.max_count = room
+        return found
+
+    def _set_write(self, qp: Any, stag: int, hint: Any) -> RunSetup | None:
+        mr = qp.write_target(stag)
+        if mr is None:
+            return None
+        key = (hint, mr, qp.dest_qpn)
+        if self.run_key != key:
+            # What the lane reads of a Write's run, the same for every run
+            # into this region from this QP: set once, not per datagram
+            # (the lane changes none of it).
+            r = self.run
+            r.untagged = r.qn = r.whole = r.last_fills = r.many = r.last_ends = 0
+            r.base, r.length, r.sequential = 0 if mr.zero_based else mr.addr, mr.length, 0
+            r.ctrl_more, r.rctl, r.ctrl_last = WRITE_CTRL
+            r.w0, r.w1, r.stag = segment.DDP_WORD | qp.qpn, qp.dest_qpn, stag
+            self.run_key = key
+        return _TN(RunSetup, (qp, OP_WRITE, mr.view, 0, None, None, None, None))
+
+    def _set_send(self, qp: Any, stag: int, op: int, hint: Any) -> RunSetup | None:
+        # A receive under way, or the next posted one for a Send that
+        # starts here (taken from the ring only if the lane fills it).
+        target = qp.send_target()
+        if target is None:
+            return None
+        recv, (view, start, length), next_to = target
+        r = self.run
+        key = (hint, qp.dest_qpn)
+        if self.run_key != key:
+            # all of a Send's run settings but the receive's, as for a Write
+            r.qn = r.whole = r.last_fills = r.many = r.base = 0
+            r.untagged = r.last_ends = r.sequential = 1
+            r.ctrl_more, r.rctl, r.ctrl_last = SEND_CTRL[op]
+            r.w0, r.w1, r.stag = segment.DDP_WORD | qp.qpn, qp.dest_qpn, stag
+            self.run_key = key
+        r.length, r.next_to, r.msn = length, next_to, qp.rx_msn
+        return _TN(RunSetup, (qp, op, view, start, recv, None, None, None))
+
+    def _set_whole(self, qp: Any, op: int, stag: int, request: tuple[int, ...]) -> RunSetup:
+        # A Read or atomic request, or an Atomic Response: the lane checks
+        # its packet and its header (queue, MSN, one whole segment of its
+        # size) and copies nothing; the QP takes it (take_whole), from the
+        # datagram, as the Python path does.
+        r = self.run
+        r.last_ends = 1
+        r.ctrl_more, r.rctl, r.ctrl_last, r.qn, r.length = request
+        r.base, r.sequential, r.next_to = 0, 1, 0
+        r.untagged = r.whole = r.last_fills = r.many = 1
+        r.msn = msn = qp.request_msn(op)
+        r.w0, r.w1, r.stag = segment.DDP_WORD | qp.qpn, qp.dest_qpn, stag
+        return _TN(RunSetup, (qp, op, None, 0, None, None, request, msn))
+
+    def _set_read_responses(self, qp: Any) -> RunSetup | None:
+        # Read Responses into the ORRQ head's sink, in order; the last one
+        # (which must fill the sink) ends the run.  Each Read has a sink
+        # STag of its own: the lane expects the head's, not the hint's (the
+        # Read before it).
+        rd = qp.read_sink()
+        if rd is None:
+            return None
+        r = self.run
+        r.untagged = r.qn = r.whole = r.many = 0
+        r.last_ends = 1
+        view, start, _ = rd.gather.pieces[0]
+        r.base, r.length, r.sequential, r.next_to = 0, rd.size, 1, rd.placed
+        r.last_fills = 1
+        r.ctrl_more, r.rctl, r.ctrl_last = READ_RESPONSE_CTRL
+        r.w0, r.w1, r.stag = segment.DDP_WORD | qp.qpn, qp.dest_qpn, rd.wr.sink_stag
+        return _TN(RunSetup, (qp, OP_READ_RESPONSE, view, start, None, rd, None, None))
+
+    # -- arming ---------------------------------------------------------------------
+    def arm(self, pl: PeerLink, links: dict[Any, PeerLink], limit: int) -> None:
+        """Set the lane up for the run ``pl``'s hint expects next, before it
+        comes (``limit``: the most whole requests it may take): the next
+        pass reads the socket and places it in one compiled call
+        (``Receiver.read_armed``).
+
+        Done at the end of a pass, the set-up costs the same as when the
+        datagram is there, but while the peer is still working on its
+        answer.  What the set-up read may change before that pass,
+        ``read_armed`` checks (the QP's state, the link's state and next
+        sequence, the STag table's version, which moves on every
+        registration and invalidation, and so covers the regions the lane
+        would write); everything else it read changes only when this
+        daemon takes a datagram, which disarms, or when the QP table
+        changes.  The memory's address is kept without a buffer export,
+        which would keep deregistration from unmapping it: no region the
+        arming saw can go without the STag table's version moving.
+        """
+        if pl.rx_hint is None or links.get(pl.addr) is not pl:
+            return
+        setup = self.setup(pl, limit if pl.rx_hint[2] in ANSWERED_BY_DAEMON else WHOLE_MAX, drop=False)
+        if setup is None:
+            return
+        ffi = self.ffi
+        if setup.view is None:
+            mem = self.no_mem
+        else:
+            try:
+                held = ffi.from_buffer("uint8_t[]", setup.view, require_writable=True)
+            except ValueError:
+                return
+            mem = ffi.cast("uint8_t *", int(ffi.cast("uintptr_t", held)) + setup.start)
+            ffi.release(held)
+        rx = self.recv
+        rx.peer_addr, rx.peer_port = pl.rx_addr, pl.rx_port
+        self.armed = (pl, setup, mem, pl.link.rcv_nxt, self.stags.version)
+
+    # -- placing ----------------------------------------------------------------------
+    def place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float,
+                  limit: int = WHOLE_MAX) -> int:
+        """Place the run of RDMA Write (or Read Response, or Send) segments
+        at ``data[off:]`` that the compiled lane accepts, or take the Read
+        or atomic requests, or Atomic Responses, there (at most ``limit``);
+        return the bytes it consumed (0: none)."""
+        setup = self.setup(pl, limit)
+        if setup is None:
+            return 0
+        qp, op, view, start = setup[:4]
+        r = self.run
+        ffi = self.ffi
+        if view is None:
+            mem = self.no_mem
+        else:
+            try:
+                mem = ffi.from_buffer("uint8_t[]", view, require_writable=True)
+            except ValueError:  # a Read's sink deregistered under it: the Python path counts the segment
+                pl.rx_hint = None
+                return 0
+        buf = ffi.from_buffer("uint8_t[]", data)
+        more = None
+        try:
+            k = self.lib.udpv_rx_write_run(r, buf + off, len(data) - off, seg, mem + start)
+            if k and r.ended and op == OP_READ_RESPONSE and len(qp.orrq) > 1 and len(data) - off > k * seg:
+                more = self.next_reads_responses(qp, view, buf, mem, data, off + k * seg, seg, k)
+        finally:
+            # no export may outlive the call: deregistration releases the view
+            if view is not None:
+                ffi.release(mem)
+            ffi.release(buf)
+        if more is not None:
+            return self.reads_responded(pl, qp, more, now, arrived) - off
+        return self.run_taken(pl, setup, k, data, off, len(data), seg, now, arrived)
+
+    def run_taken(self, pl: PeerLink, setup: RunSetup, k: int, data: bytes | None, off: int, end: int,
+                  seg: int, now: float, arrived: float) -> int:
+        """The lane took ``k`` datagrams at ``data[off:end]`` in the run
+        ``setup`` set: complete, answer and account for them; return the
+        bytes consumed (``data`` is read only for requests, Atomic
+        Responses and what follows the run: None when there is none)."""
+        if not k:
+            return self._after_run(pl, data, off, end, seg, now, arrived, 0)
+        qp, op, _, _, recv, rd, request, msn = setup
+        r = self.run
+        sched = self.sched
+        # What an application waits on first, the link's accounting of the
+        # run (and of the ACK it carries) after: a Send's receive and its
+        # CQE, a Read's or an atomic's CQE (a Write's data is in place
+        # already).  ``Link.data_run_received`` reads nothing these change.
+        sends = op not in TAGGED_LANE and request is None
+        if sends:
+            qp.sends_placed(op, recv, r.bytes, r.ended)
+            if r.ended:
+                self.stats["rx_native_sends"] += 1
+                sched.qp_changed(qp)  # a Modified ACK is owed
+        elif op == OP_READ_RESPONSE:
+            qp.read_response_placed(rd, r.bytes, r.ended)
+            if r.ended:
+                self.stats["rx_native_reads"] += 1
+                sched.qp_changed(qp)  # the Read completes
+                sched.complete_done(qp)
+        elif op == OP_ATOMIC_RESPONSE:
+            self.take_whole(qp, op, msn, data, off, seg, k)  # type: ignore[arg-type]
+            sched.complete_done(qp)
+        pl.link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
+                                  r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
+        if sends:
+            if r.flow_ack:
+                qp.on_flow_ack(r.flow_ack_msn)
+        elif op == OP_WRITE:
+            qp.writes_placed(r.bytes)
+        elif request is not None:
+            return self._whole_taken(qp, op, msn, data, off, end, seg, k)  # type: ignore[arg-type]
+        sched.delivered = True
+        sched.delivered_to = qp
+        self.stats["rx_native_datagrams"] += k
+        return self._after_run(pl, data, off, end, seg, now, arrived, k * seg)
+
+    def _whole_taken(self, qp: Any, op: int, msn: int, data: bytes, off: int, end: int, seg: int, k: int) -> int:
+        """``run_taken`` for ``k`` whole requests or Atomic Responses; returns the bytes consumed."""
+        sched = self.sched
+        if op == OP_ATOMIC_RESPONSE:
+            at = off + k * seg if off + k * seg < end else end
+            self.stats["rx_native_atomic_responses"] += k
+            sched.delivered = True  # the original values are in the application's memory
+            sched.delivered_to = qp
+        else:
+            at = self.take_whole(qp, op, msn, data, off, seg, k)
+            self.stats["rx_native_requests"] += k
+            if k == 1 and at >= end and self.eager_answers:
+                # A lone request, the last of what this receive brought
+                # (read_lat, atomic_lat): the requester waits on nothing
+                # else, so it is answered now, not after the rest of the
+                # pass.  A batch's answers leave together when the pass pumps.
+                sched.pump(qp, start=False)
+        sched.qp_changed(qp)  # the answers go, or the WRs complete, this pass
+        self.stats["rx_native_datagrams"] += k
+        return at - off
+
+    def _after_run(self, pl: PeerLink, data: bytes | None, off: int, end: int, seg: int, now: float,
+                   arrived: float, used: int) -> int:
+        """The bytes a run of ``used`` consumed, with the next message's
+        run when that is another Write the lane can take at once."""
+        if used >= end - off:
+            return end - off
+        if self.run.peeked and self._write_rehint(pl):
+            # The next message is another QP's or region's Write (Writes
+            # over many QPs interleave): the lane takes it too, instead of
+            # the Python path taking its first segment to set the hint.
+            return used + self.place_run(pl, data, off + used, seg, now, arrived)  # type: ignore[arg-type]
+        return used
+
+    def take_whole(self, qp: Any, op: int, msn: int, data: bytes, off: int, seg: int, k: int) -> int:
+        """Take the ``k`` whole requests or Atomic Responses the lane took
+        at ``data[off:]``, MSN by MSN from ``msn``, each as the Python path
+        takes it, in order; return the offset after the last."""
+        view = memoryview(data)
+        at, end = off, len(data)
+        response = op == OP_ATOMIC_RESPONSE
+        for i in range(k):
+            n = seg if end - at > seg else end - at
+            raw = view[at + _SEGMENT_AT:at + n - _CRC_LEN]
+            at += n
+            if i and qp.state not in RECEIVING:
+                continue  # the one before failed the QP: as on_segment, drop the rest
+            if response:
+                qp.on_atomic_response((msn + i) & U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+            else:
+                qp.on_request(op, (msn + i) & U32, raw[ddp.UNTAGGED_HEADER_LEN:], raw)
+        return at
+
+    # -- several Reads' responses in one buffer -----------------------------------------
+    def next_reads_responses(self, qp: Any, view: Any, buf: Any, mem: Any, data: bytes, at: int, seg: int,
+                             k: int) -> list[LaneCall]:
+        """The lane placed the whole response of the Read at the ORRQ head,
+        ``k`` datagrams, and more of ``data`` follows at ``at``: place the
+        responses of the next Reads there too, while each is one SGE in the
+        same region (``view``, exported as ``mem``), one lane call each
+        with no new set-up.  Return each call's account, the first call's
+        first; the caller accounts for them on the link and completes the
+        Reads (``reads_responded``)."""
+        r = self.run
+        run = self.lib.udpv_rx_write_run
+        end = len(data)
+        seq, room = r.seq, r.max_count
+        calls = [_call_of(r, k, at)]
+        orrq = qp.orrq
+        i = 1
+        while at < end and i < len(orrq):
+            seq = (seq + k) & U32
+            room -= k
+            rd = orrq[i]
+            if room <= 0 or type(rd) is not PendingRead or len(rd.gather.pieces) != 1:
+                break
+            piece, start, _ = rd.gather.pieces[0]
+            if piece is not view:
+                break
+            r.seq, r.max_count = seq, room
+            r.stag, r.length, r.next_to = rd.wr.sink_stag, rd.size, rd.placed
+            k = run(r, buf + at, end - at, seg, mem + start)
+            if not k:
+                break
+            at = min(at + k * seg, end)
+            calls.append(_call_of(r, k, at))
+            if not r.ended:
+                break  # a Read's responses cut short: the rest as without this
+            i += 1
+        return calls
+
+    def reads_responded(self, pl: PeerLink, qp: Any, calls: list[LaneCall], now: float, arrived: float) -> int:
+        """Complete the Reads the lane calls of ``next_reads_responses``
+        ended (their CQEs first: the application waits on them), then
+        account for the calls on ``pl``'s link, as one run per ACK field;
+        return the offset in the buffer after the last."""
+        link = pl.link
+        total = reads = 0
+        for call in calls:  # first what the application waits on
+            qp.read_response_placed(qp.orrq[0], call.nbytes, call.ended)
+            reads += 1 if call.ended else 0
+        self.sched.complete_done(qp)
+        n = len(calls)
+        j = 0
+        while j < n:
+            first = calls[j]
+            count, last_ts, last_rwnd, flags_or = first.count, first.last_ts, first.last_rwnd, first.flags_or
+            j += 1
+            while j < n and calls[j].ack == first.ack:  # the same ACK field: one run for the link
+                c = calls[j]
+                count += c.count
+                last_ts, last_rwnd, flags_or = c.last_ts, c.last_rwnd, flags_or | c.flags_or
+                j += 1
+            link.data_run_received(count, first.ack, first.ts, first.echo, first.rwnd, first.flags, last_ts,
+                                   last_rwnd, flags_or, now, arrived)
+            total += count
+        self.stats["rx_native_reads"] += reads
+        self.stats["rx_native_datagrams"] += total
+        self.run.ended = calls[-1].ended
+        sched = self.sched
+        sched.qp_changed(qp)  # the Reads complete
+        sched.delivered = True
+        sched.delivered_to = qp
+        return calls[-1].end
+
+    def _write_rehint(self, pl: PeerLink) -> bool:
+        """Point ``pl``'s hint at the Write segment where the lane stopped
+        (``udpv_rx_run.next_*``), if it is an RDMA Write to a QP of this link
+        from that QP's peer, the lane's next call then taking it; False
+        (hint unchanged) for anything else."""
+        r = self.run
+        # A DDP envelope's first word is its kind over the destination QPN:
+        # any other kind XORs to a number above every QPN.
+        qp = self.qps.get(r.next_w0 ^ segment.DDP_WORD)
+        ctrl_more, rctl, ctrl_last = WRITE_CTRL
+        if (qp is None or qp.link is not pl or r.next_w1 != qp.dest_qpn or r.next_rctl != rctl
+                or (r.next_ctrl != ctrl_more and r.next_ctrl != ctrl_last)):
+            return False
+        hint = (qp, r.next_stag, OP_WRITE)
+        if hint == pl.rx_hint:
+            # Not expected (the lane stopped because these words differ from
+            # the hint's), but a call on the same hint must not recurse.
+            return False
+        pl.rx_hint = hint
+        return True
+
+
+def _no_run(pl: PeerLink, drop: bool) -> None:
+    """``ReceiveLane.setup``'s answer when the hint no longer holds: it is
+    dropped (unless ``drop`` is False: an arming leaves it for the pass
+    that reads), and there is no run."""
+    if drop:
+        pl.rx_hint = None

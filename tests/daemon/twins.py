@@ -1,0 +1,129 @@
+"""Twin devices: what the daemon's tests that compare two devices share.
+
+Two receiving devices built from the same seed, one with the compiled lanes
+and one without, get the same datagrams from one sender, carried by the
+test (``mangle``: lost, duplicated, swapped, corrupted, coalesced into GRO
+buffers), on one clock turned by hand; after every step they must answer
+with the same bytes.  Twins run in pass order (``policy.IN_PASS_ORDER``),
+so that what each sends depends on its input and its clock alone.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from typing import Any
+
+from udpverbs.bench.inprocess import Host
+from udpverbs.daemon.policy import IN_PASS_ORDER
+from udpverbs.wire.shm import QPState as S
+
+
+def mangle(out: list[bytes], rng: random.Random, loss: float, gro: float) -> list[tuple[bytes, int]]:
+    """What the network and the kernel make of ``out``: ``(buffer, segment size)`` receives."""
+    arriving: list[bytes] = []
+    for d in map(bytes, out):
+        x = rng.random()
+        if x < loss:
+            continue
+        if x < 2 * loss:
+            i = rng.randrange(len(d))
+            d = d[:i] + bytes([d[i] ^ (1 << rng.randrange(8))]) + d[i + 1:]
+        arriving.append(d)
+        if rng.random() < loss:
+            arriving.append(d)
+    for i in range(len(arriving) - 1):
+        if rng.random() < loss:
+            arriving[i], arriving[i + 1] = arriving[i + 1], arriving[i]
+    # GRO: a run of equal sizes, the last possibly shorter, in one buffer
+    receives: list[tuple[bytes, int]] = []
+    i = 0
+    while i < len(arriving):
+        size = len(arriving[i])
+        j = i + 1
+        if rng.random() < gro:
+            while j < len(arriving) and j - i < 64 and len(arriving[j]) <= size:
+                j += 1
+                if len(arriving[j - 1]) < size:
+                    break
+        receives.append((b"".join(arriving[i:j]), size))
+        i = j
+    return receives
+
+
+def receive_all(host: Host, pl: object, receives: list[tuple[bytes, int]], now: float) -> None:
+    dev = host.dev
+    for buf, seg in receives:
+        dev.receiver.receive(pl, buf, seg, now, now)  # type: ignore[arg-type]
+        while dev.receiver.rest is not None:  # what the next passes would do first (rx_dispatch_budget)
+            dev.receiver.receive_rest(now)
+    for msg in pl.link.drain_received():  # type: ignore[attr-defined]
+        dev.receiver.dispatch(pl, msg)  # type: ignore[arg-type]
+
+
+class Recorder:
+    """A device's socket that keeps what is sent to it instead (the tests
+    hand the datagrams over themselves)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sent: list[bytes] = []
+
+    def sendto(self, data: bytes, addr: object) -> int:
+        self.sent.append(bytes(data))
+        return len(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def turn(host: Host, pl: object, now: float, clock: object = None) -> list[bytes]:
+    """The rest of a data-loop pass: timers, completions, pump, what leaves
+    (stamped by ``clock`` if given, as the device's loop does): what the
+    pump sent at once (``PeerLink.send_alone``), then what the link sends."""
+    dev, qp, link = host.dev, host.qp, pl.link  # type: ignore[attr-defined]
+    if type(dev.udp.sock) is not Recorder:
+        dev.udp.sock = Recorder(dev.udp.sock)  # type: ignore[assignment]
+    dev.now = now
+    d = link.next_deadline()
+    if d is not None and d <= now:
+        link.timer_fired(now)
+    if qp.state == S.IBV_QPS_ERR:
+        qp.flush_rings()
+    else:
+        if qp.outstanding:
+            qp.complete_acked(link.acked)
+        qp.pump(64)
+    if pl.requests:  # type: ignore[attr-defined]
+        pl.flush_requests()  # type: ignore[attr-defined]  # as PeerLink.flush does
+    sent, dev.udp.sock.sent = dev.udp.sock.sent, []  # type: ignore[union-attr]
+    return sent + link.datagrams_to_send(now, clock)
+
+
+def link_state(pl: object) -> tuple[object, ...]:
+    link = pl.link  # type: ignore[attr-defined]
+    return (link.rcv_nxt, link.peer_rwnd, link._last_ack_field, link._last_rx_ts, link._ack_now, link._ack_count,
+            link.acked, link.srtt_s, link.cwnd_bytes, link.stats.as_dict())
+
+
+def twins(peer: Host, fast: Host, slow: Host) -> tuple[list[float], Any, Any, Any]:
+    """Connect ``peer`` with ``fast`` and both twins with ``peer``, every device
+    on one hand-turned clock; return the clock and the links (peer's, fast's, slow's).
+    ``slow`` is never connected to from ``peer``: it gets ``fast``'s traffic."""
+    clock = [1.0]
+    for h in (peer, fast, slow):
+        # The lane answers a lone request while it receives, the Python path
+        # when the pass pumps: the same datagram, with an ACK field of a
+        # different moment; likewise the lane sends a ping-pong's run of
+        # segments as soon as it is queued, the Python path its segments at
+        # the pass's flush; and on the hand-turned clock a hand-over would
+        # only count real scheduler turns, differently for each twin.  So
+        # twins run in pass order.
+        assert h.dev.policy == IN_PASS_ORDER, "make twins with policy=IN_PASS_ORDER"
+        h.dev.clock = lambda: clock[0]
+    peer.connect(fast)
+    fast.connect(peer)
+    slow.connect(peer)
+    peer_addr = (peer.dev.config.addr, peer.dev.config.port)
+    return (clock, peer.dev.links[(fast.dev.config.addr, fast.dev.config.port)], fast.dev.links[peer_addr],
+            slow.dev.links[peer_addr])
