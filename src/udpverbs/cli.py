@@ -90,7 +90,7 @@ def _add_daemon_arg(p: argparse.ArgumentParser) -> None:
 def _add_no_pin(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave the CPUs of a local run's processes to the scheduler (by default each daemon has "
-                   "a CPU of its own, shared with the other side's application; see README)")
+                   "a CPU of its own, shared with the other side's application; see docs/REFERENCE.md)")
 
 
 def placement_from(args: argparse.Namespace) -> local.Placement | None:
