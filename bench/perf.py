@@ -205,6 +205,16 @@ class PerfParams:
         if self.test not in TESTS:
             raise PerfUsageError(f"unknown test {self.test!r}; choose one of {', '.join(TESTS)}")
         spec = self.spec
+        self._check_sizes(spec)
+        self._check_run_shape(spec)
+        self._check_modes(spec)
+        self._check_verb_options(spec)
+        self._check_posting(spec)
+        self._check_extras(spec)
+        return self
+
+    def _check_sizes(self, spec: TestSpec) -> None:
+        """-s, -a, --max-size and the volume per size.  Raises: PerfUsageError."""
         if self.size is not None and self.all_sizes:
             raise PerfUsageError("-s and -a are exclusive: -a already runs every size 2 … 2^23")
         if not 2 <= self.max_size <= MAX_SIZE:
@@ -215,6 +225,9 @@ class PerfParams:
             raise PerfUsageError(f"-s must be between 1 and {MAX_SIZE} bytes")
         if spec.verb == "atomic" and (self.all_sizes or self.size not in (None, 8)):
             raise PerfUsageError("atomic tests move 8 bytes: -s and -a do not apply")
+
+    def _check_run_shape(self, spec: TestSpec) -> None:
+        """-n or -D, -q, -t and -m.  Raises: PerfUsageError."""
         if self.iters is not None and self.duration_s is not None:
             raise PerfUsageError("-n and -D are exclusive: run a number of iterations or a duration")
         if self.iters is not None and self.iters < 1:
@@ -233,6 +246,9 @@ class PerfParams:
         if not 576 <= self.mtu <= 65535:
             # 576: the smallest datagram every IPv4 host must accept (RFC 791)
             raise PerfUsageError("-m (the IP path MTU) must be between 576 and 65535 bytes")
+
+    def _check_modes(self, spec: TestSpec) -> None:
+        """The baseline, -e and --rnr-delay-us.  Raises: PerfUsageError."""
         if self.baseline is not None and self.baseline not in BASELINES:
             raise PerfUsageError(f"unknown baseline {self.baseline!r}; choose one of {', '.join(BASELINES)}")
         if self.use_events and self.test == "write_lat":
@@ -245,6 +261,9 @@ class PerfParams:
             why = f"{self.test} has no receives" if spec.is_latency else "bandwidth tests keep their receives posted"
             raise PerfUsageError(f"--rnr-delay-us drives send_lat's receiver-not-ready path: it does not apply to "
                                  f"{self.test} ({why})")
+
+    def _check_verb_options(self, spec: TestSpec) -> None:
+        """The options of some verbs only: -I, -o, --use_srq, -r.  Raises: PerfUsageError."""
         if self.inline_size is not None:
             if not 0 <= self.inline_size <= MAX_INLINE_ARG:
                 raise PerfUsageError(f"-I must be between 0 and {MAX_INLINE_ARG} bytes")
@@ -263,6 +282,9 @@ class PerfParams:
                 raise PerfUsageError(f"-r does not apply to {self.test}: it sizes send_bw's posted receives")
             if not 1 <= self.rx_depth <= MAX_RX_DEPTH_ARG:
                 raise PerfUsageError(f"-r must be between 1 and {MAX_RX_DEPTH_ARG}")
+
+    def _check_posting(self, spec: TestSpec) -> None:
+        """-Q and -l, alone and together.  Raises: PerfUsageError."""
         if self.cq_moderation is not None or self.post_list != 1:
             flag = "-Q" if self.cq_moderation is not None else "-l"
             if spec.is_latency:
@@ -280,6 +302,9 @@ class PerfParams:
             if waiting + lst > self.depth():
                 raise PerfUsageError(f"-Q {cq} and -l {lst}: up to {waiting} WRs could wait unsignaled with no room "
                                      f"for another list; make -t at least {waiting + lst} or -Q a multiple of -l")
+
+    def _check_extras(self, spec: TestSpec) -> None:
+        """-R, --cpu_util, -b and -A against the test and the baseline.  Raises: PerfUsageError."""
         if self.rdma_cm and self.baseline_only:
             raise PerfUsageError("-R connects QPs through the connection manager: --baseline-only makes none")
         if self.cpu_util and self.baseline_only:
@@ -292,7 +317,6 @@ class PerfParams:
             if self.atomic_type not in ATOMIC_TYPES:
                 choices = ", ".join(ATOMIC_TYPES)
                 raise PerfUsageError(f"unknown atomic type {self.atomic_type!r}; choose one of {choices}")
-        return self
 
     def atomic(self) -> str:
         """Return the atomic tests' operation (perftest's -A): CMP_AND_SWAP or FETCH_AND_ADD."""

@@ -218,9 +218,10 @@ class RecvWR:
 def _raise_as_cffi(slot: Any, fields: Iterable[tuple[str, Any]], err: struct.error) -> NoReturn:
     """Re-raise a value ``pack_into`` refused as the error a cffi field store gives for it.
 
-    WQEs used to be written field by field through cffi, which raises
-    OverflowError / TypeError naming the C type; replaying the stores into
-    the (not yet pushed) slot keeps those exceptions for callers.
+    Callers expect the OverflowError / TypeError a cffi field store raises,
+    naming the C type, not ``struct.error``; replaying the stores into the
+    (not yet pushed) slot raises exactly that.  The fast path packs with
+    ``struct`` and comes here only for a value it refused.
     """
     for name, value in fields:
         setattr(slot, name, value)

@@ -90,7 +90,7 @@ def _add_daemon_arg(p: argparse.ArgumentParser) -> None:
 def _add_no_pin(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave the CPUs of a local run's processes to the scheduler (by default each daemon has "
-                   "a CPU of its own, shared with the other side's application; see README)")
+                   "a CPU of its own, shared with the other side's application; see docs/REFERENCE.md)")
 
 
 def placement_from(args: argparse.Namespace) -> local.Placement | None:
@@ -123,10 +123,16 @@ def daemon_args_from(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``udpverbs`` command."""
+    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf`` and ``demo``)."""
     parser = argparse.ArgumentParser(prog="udpverbs", description="RDMA verbs over plain UDP: benchmarks and demo")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_perf_parser(sub)
+    _add_demo_parser(sub)
+    return parser
 
+
+def _add_perf_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``udpverbs perf`` and its flags to ``sub``."""
     perf = sub.add_parser(
         "perf",
         help="perftest-style latency and bandwidth tests",
@@ -134,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--local runs both sides on this host. The client's parameters rule the session: "
         "a server needs only the test name (and -d/-p/--bind).",
     )
+    _add_perf_workload(perf)
+    _add_perf_test_options(perf)
+    _add_perf_roles(perf)
+
+
+def _add_perf_workload(perf: argparse.ArgumentParser) -> None:
+    """Add what every test takes: the test, sizes, iterations or duration, QPs, depth, MTU, polling."""
     perf.add_argument("test", choices=list(TESTS), help="the test, as perftest's ib_<test>")
     perf.add_argument("-s", "--size", type=_size, help="message size in bytes (default 2 for latency, 65536 for bandwidth)")
     perf.add_argument("-a", "--all", dest="all_sizes", action="store_true", help="run every size 2 … 2^23")
@@ -144,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-t", "--tx-depth", dest="tx_depth", type=int, help="messages in flight per QP (bandwidth tests; default 128)")
     perf.add_argument("-m", "--mtu", type=int, default=1500, help="IP path MTU in bytes (default 1500): the baseline's datagrams and the --local daemons' (a daemon you started keeps its own)")
     perf.add_argument("-e", "--events", dest="use_events", action="store_true", help="sleep on CQ events instead of busy-polling")
+
+
+def _add_perf_test_options(perf: argparse.ArgumentParser) -> None:
+    """Add the options that apply to some tests only (perftest's -I -o -A -b -r -Q -l -R and its reports)."""
     perf.add_argument("--rnr-delay-us", type=int, default=0, metavar="D",
                       help="send_lat only: the server posts each receive D usec after its reply, so the next Send "
                       "takes the receiver-not-ready path (RNR NACK, then resume); the latency includes the wait "
@@ -187,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "--json adds them as samples_us)")
     samples.add_argument("-U", "--report-unsorted", dest="samples", action="store_const", const="unsorted",
                          help="latency tests: as -H, in the order measured (as perftest's -U)")
+
+
+def _add_perf_roles(perf: argparse.ArgumentParser) -> None:
+    """Add where a run happens and what it prints: device, control connection, role, baseline, output."""
     perf.add_argument("-d", "--device", help="the udpverbs device: a name, or the path of its daemon's control socket")
     perf.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"TCP port of the control connection (default {DEFAULT_PORT})")
     role = perf.add_mutually_exclusive_group()
@@ -202,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_daemon_arg(perf)
     _add_no_pin(perf)
 
+
+def _add_demo_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``udpverbs demo`` and its flags to ``sub``."""
     demo = sub.add_parser("demo", help="two local daemons, write latency and bandwidth sweeps against raw UDP, a plot")
     demo.add_argument("--plot", metavar="FILE.png", default="udpverbs-demo.png", help="where the plot goes (default %(default)s)")
     demo.add_argument("--max-size", type=_size, default=1 << 20, help="largest message of the sweeps (default 1M)")
@@ -209,7 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
     _add_daemon_arg(demo)
     _add_no_pin(demo)
-    return parser
 
 
 def params_from_args(args: argparse.Namespace) -> PerfParams:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from udpverbs import cli
-from udpverbs.bench import local, verbs_perf
+from udpverbs.bench import control, local, report, verbs_perf
 
 LAT = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p999_us"}
 BW = {"bw_peak_MBps", "bw_avg_MBps", "msg_rate_Mpps"}
@@ -384,10 +384,13 @@ def test_outs_beyond_the_device_fails_clearly(capsys: pytest.CaptureFixture[str]
 
 @pytest.fixture
 def client_side(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """What the client's side measured of its own stream (``own``) and the
-    peer's count it checked (``peer_count``, ``received``), under -b."""
+    """What the client's side measured of its own stream (``own``), the
+    peer's count it checked (``peer_count``, ``received``), and, under -b,
+    the figures the server reported for its stream (``server``), as they
+    came over the control connection."""
     seen: dict[str, Any] = {}
     real_bw, real_verify = verbs_perf.VerbsSide._bw, verbs_perf.VerbsSide._verify
+    real_expect = control.ControlChannel.expect
 
     def bw(self, *a):  # type: ignore[no-untyped-def]
         seen["own"] = stats = real_bw(self, *a)
@@ -397,8 +400,15 @@ def client_side(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen.update(peer_count=count, received=received)
         real_verify(self, size, count, counter, received)
 
+    def expect(self, op, timeout_s):  # type: ignore[no-untyped-def]
+        msg = real_expect(self, op, timeout_s)
+        if op == "bw-report" and msg.get("ours") is not None:
+            seen["server"] = report.stats_from_json(msg["ours"])
+        return msg
+
     monkeypatch.setattr(verbs_perf.VerbsSide, "_bw", bw)
     monkeypatch.setattr(verbs_perf.VerbsSide, "_verify", verify)
+    monkeypatch.setattr(control.ControlChannel, "expect", expect)
     return seen
 
 
@@ -425,9 +435,11 @@ def test_bidirectional_run_streams_both_ways_and_adds_them_up(
     # the server ran its -n too, and the client checked what reached it
     assert client_side["peer_count"] == iters
     assert client_side["received"] == (iters if argv[0] == "send_bw" else 0)
-    # the row is the client's stream plus the server's
-    assert row["bw_avg_MBps"] > client_side["own"].bw_avg_MBps
-    assert row["msg_rate_Mpps"] > client_side["own"].msg_rate_Mpps
+    # the row is the client's stream plus the one the server reported for its own
+    own, server = client_side["own"], client_side["server"]
+    assert server.iterations == iters
+    for key in BW:
+        assert row[key] == pytest.approx(getattr(own, key) + getattr(server, key), rel=1e-9), key
 
 
 def test_bidirectional_sends_for_a_duration_end_with_every_send_received(
