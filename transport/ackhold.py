@@ -6,7 +6,7 @@ acknowledgment costs both daemons a datagram and a pass.  TCP's delayed
 ACK and its ping-pong mode wait for the reply for the same reason.  Two
 acknowledgments here follow the rule: the link's ACK of a packet that asks
 for one at once (``transport/link.py``) and a QP's Modified ACK of a
-queue-0 message (``daemon/qp.py``).
+queue-0 message (``daemon/responder.py``).
 
 The rule, one instance per acknowledgment stream:
 

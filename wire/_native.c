@@ -330,7 +330,7 @@ typedef struct {
     uint64_t base;       /* tagged offset of the region's byte 0 */
     uint64_t length;     /* the region's length */
     uint64_t next_to;    /* if `sequential`: the tagged offset the next segment must start at */
-    uint32_t sequential; /* Read Responses and Sends fill their buffer in order (daemon/qp.py _on_read_response, _on_send) */
+    uint32_t sequential; /* Read Responses and Sends fill their buffer in order (daemon/completer.py on_read_response, daemon/responder.py _on_send) */
     uint32_t untagged;   /* Send segments: untagged header, queue 0, MSN `msn`, the MO taken as the offset */
     uint32_t msn;
     /* the run: the first packet's link fields, the last one's, what was placed */
@@ -609,7 +609,7 @@ size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watc
 /* -- the armed receive: the socket read and the lane in one call ---------- */
 
 enum {
-    SOL_UDP_LEVEL = 17,      /* daemon/device.py SOL_UDP */
+    SOL_UDP_LEVEL = 17,      /* daemon/udp.py SOL_UDP */
     UDP_GRO_OPT = 104,       /* ... UDP_GRO */
     TIMESTAMPNS_OPT = 35,    /* ... SO_TIMESTAMPNS (SO_TIMESTAMPNS_OLD: a native timespec) */
 };
@@ -637,7 +637,7 @@ typedef struct {
    EAGAIN when there is nothing to read). In the time the Python path takes
    to get from a readable socket to the lane (the read, its control
    messages, the lane's set-up), the daemon has the data in place; the
-   set-up is done before the datagram comes (daemon/device.py, ``_arm``). */
+   set-up is done before the datagram comes (daemon/rxlane.py, ``ReceiveLane.arm``). */
 long udpv_rx_recv_run(udpv_rx_recv *a, udpv_rx_run *r, uint8_t *buf, size_t cap, uint8_t *mem) {
     struct sockaddr_in src;
     union {

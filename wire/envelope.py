@@ -32,7 +32,7 @@ on a multiplexed link.  Two bits are defined, on DDP messages only:
   segment: an MSN with the meaning of a Modified ACK (``wire/flow.py``
   ``ACK``) from the source QP, "every queue-0 message of yours below this
   MSN was placed".  A QP that answers Sends with Sends carries its ACK on
-  its answer instead of in a message of its own (``daemon/qp.py``)::
+  its answer instead of in a message of its own (``daemon/requester.py``)::
 
       | envelope (8) | DDP segment ... | msn u32 |
 

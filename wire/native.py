@@ -3,13 +3,13 @@
 Theory of operation
 -------------------
 In a bulk RDMA Write the receiving daemon's Python path takes 11–17 µs per
-datagram (in-process, ``tests/daemon/inprocess_bw.py --no-native``) for
+datagram (in-process, ``python -m udpverbs.bench.inprocess_bw --no-native``) for
 work that is the same every time: check the CRC and the link header, see
 that the packet is the next in order, parse envelope and DDP header, check
 the STag and bounds, copy the payload.  ``_native.c`` does that
 for a *run* of datagrams (a GRO buffer, or one datagram) in one call, under
-conditions the daemon checks once per call (see ``daemon/device.py``,
-``Device._receive``): one established link with nothing out of order, one
+conditions the daemon checks once per call (see ``daemon/rxlane.py``,
+``ReceiveLane.setup``): one established link with nothing out of order, one
 QP able to receive, one STag naming a region that QP may write.  The call
 stops at the first datagram it does not recognise, and the Python path
 handles that one, so the C code never produces an error or a Terminate; the
@@ -54,12 +54,12 @@ The armed read, ``udpv_rx_recv_run``, puts the socket read in front of
 the receive lane: one non-blocking ``recvmsg`` (with its GRO size and
 kernel arrival stamp), then, if the datagram came from the peer the
 caller armed it for, the lane over it with a run the daemon set up before
-the datagram came (``Device._arm``).  Whatever it does not take stays in
+the datagram came (``ReceiveLane.arm``).  Whatever it does not take stays in
 the buffer for the Python path, with its source.
 
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
 idle QPs have new WQEs, comparing producer and consumer index in each SQ's
-header in one call instead of one Python step per QP (``daemon/device.py``,
+header in one call instead of one Python step per QP (``daemon/scheduler.py``,
 ``SQWatch``).
 
 The extension is built on first use with the machine's C compiler into a
