@@ -40,7 +40,8 @@ async def main():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(accept_one)
-            await verbs.connect_async(qp_a, "127.0.0.3", 7472, udp_port=18515)
+            # B's daemon: its address and UDP port (the port's LID)
+            await verbs.connect_async(qp_a, "127.0.0.3", 7472, udp_port=ctx_b.query_port().lid)
 
         # Eight 64 KiB Writes in flight; other trio tasks run while we wait.
         for i in range(8):

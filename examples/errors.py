@@ -35,16 +35,17 @@ for name in ("uvA", "uvB"):
     qp = verbs.QP(pd, verbs.QPInitAttr(qp_type=IBV_QPT_RC, scq=cq, rcq=cq, cap=verbs.QPCap(16, 16)))
     objs.append((ctx, mr, cq, qp))
 (ctx_a, mr_a, cq_a, qp_a), (ctx_b, mr_b, _, qp_b) = objs
+port_b = ctx_b.query_port().lid  # B's daemon's UDP port
 
 try:
-    verbs.connect(qp_a, "127.0.0.3", 7999, udp_port=18515)  # nobody listens on service port 7999
+    verbs.connect(qp_a, "127.0.0.3", 7999, udp_port=port_b)  # nobody listens on service port 7999
 except verbs.VerbsError as e:
     print("control path:", errno.errorcode[e.error_code])
 
 with verbs.CMListener(ctx_b, port=7473) as listener:
     t = threading.Thread(target=lambda: listener.accept(listener.get_request(), qp_b))
     t.start()
-    verbs.connect(qp_a, "127.0.0.3", 7473, udp_port=18515)
+    verbs.connect(qp_a, "127.0.0.3", 7473, udp_port=port_b)
     t.join()
 
 # Data path: B's memory region does not allow RDMA Write, so the Write completes with an error.
