@@ -58,78 +58,83 @@ def _turn(host: Host, done: Callable[[], bool]) -> tuple[int, int]:
     return time.perf_counter_ns() - t0, passes
 
 
-async def main(iters: int, only: str | None, profile: str | None) -> None:
-    # No hand-over after a send: with nobody else to run, its yields would
-    # time the wait, not the pass.
-    policy = LoopPolicy(hand_over_s=0.0)
-    a, b = Host("127.0.0.2", gso=True, policy=policy), Host("127.0.0.3", gso=True, policy=policy)
-    prof = cProfile.Profile() if profile else None
-    times: dict[str, list[int]] = {p: [] for p in PHASES}
-    passes: dict[str, list[int]] = {p: [] for p in PHASES}
+class Phases:
+    """Two hosts and the time of each phase of each round."""
 
-    def phase(name: str, host: Host, done: Callable[[], bool]) -> None:
-        if prof is not None and name == profile:
+    def __init__(self, a: Host, b: Host, profile: str | None) -> None:
+        self.a, self.b = a, b
+        self.profile = profile
+        self.prof = cProfile.Profile() if profile else None
+        self.times: dict[str, list[int]] = {p: [] for p in PHASES}
+        self.passes: dict[str, list[int]] = {p: [] for p in PHASES}
+
+    def phase(self, name: str, host: Host, done: Callable[[], bool]) -> None:
+        """Turn ``host``'s loop until ``done()``, timed as phase ``name``."""
+        prof = self.prof if name == self.profile else None
+        if prof is not None:
             prof.enable()
         t, n = _turn(host, done)
-        if prof is not None and name == profile:
+        if prof is not None:
             prof.disable()
-        times[name].append(t)
-        passes[name].append(n)
+        self.times[name].append(t)
+        self.passes[name].append(n)
 
-    def settle(until: Callable[[], bool] = lambda: True) -> None:
-        # ACKs and completions of the round just measured, outside any phase
-        # (``until``: what must have happened, given up to 50 ms).
+    def settle(self, until: Callable[[], bool] = lambda: True) -> None:
+        """ACKs and completions of the round just measured, outside any
+        phase (``until``: what must have happened, given up to 50 ms)."""
         deadline = time.monotonic() + 0.05
         for _ in range(3):
-            a.dev.poll_once()
-            b.dev.poll_once()
+            self.a.dev.poll_once()
+            self.b.dev.poll_once()
         while not until() and time.monotonic() < deadline:
-            a.dev.poll_once()
-            b.dev.poll_once()
+            self.a.dev.poll_once()
+            self.b.dev.poll_once()
 
-    for h in (a, b):
-        h.qp.caps["max_inline_data"] = 64  # Writes and Sends go inline, as perftest posts them
-    try:
-        a.connect(b)
-        b.connect(a)
-        await establish(a, b)
-        la, lb = a.qp.link.link, b.qp.link.link
-        rounds = iters + WARMUP
-        # The Writes before the Reads: b answers a Read Request at once, and
-        # a link that has seen answers holds the ACK a Write asks for (up to
-        # max_ack_delay_s) for the answer no Write gets here.
-        for i in range(rounds if only is None else 0):
+    def writes(self, rounds: int) -> None:
+        """Inline 2-byte Writes from a to b, one at a time."""
+        a, b = self.a, self.b
+        la = a.qp.link.link
+        for i in range(rounds):
             marker = i % 255 + 1
             a.mr.view[1] = marker
             a.post_write(i, 0, 2, b, 64, inline=True)
             sent = la.stats.data_sent
-            phase("write_send", a, lambda: la.stats.data_sent > sent)
-            phase("write_receive", b, lambda: b.mr.view[65] == marker)
+            self.phase("write_send", a, lambda: la.stats.data_sent > sent)
+            self.phase("write_receive", b, lambda: b.mr.view[65] == marker)
             wc: list[tuple[int, int]] = []
-            settle(lambda: bool(wc.extend(a.completions()) or wc))
+            self.settle(lambda: bool(wc.extend(a.completions()) or wc))
             if wc != [(i, 0)]:
                 raise SystemExit(f"Write {i} did not complete alone")
-        for i in range(rounds if only != "sends" else 0):
-            a.post_write(rounds + i, 128, 2, b, 256, opcode=WrOpcode.IBV_WR_RDMA_READ)
+
+    def reads(self, rounds: int, first_id: int) -> None:
+        """2-byte Reads of b's memory by a, one at a time."""
+        a, b = self.a, self.b
+        la, lb = a.qp.link.link, b.qp.link.link
+        for i in range(rounds):
+            a.post_write(first_id + i, 128, 2, b, 256, opcode=WrOpcode.IBV_WR_RDMA_READ)
             sent, answered = la.stats.data_sent, lb.stats.data_sent
-            phase("read_request", a, lambda: la.stats.data_sent > sent)
-            phase("read_respond", b, lambda: lb.stats.data_sent > answered)
+            self.phase("read_request", a, lambda: la.stats.data_sent > sent)
+            self.phase("read_respond", b, lambda: lb.stats.data_sent > answered)
             done: list[tuple[int, int]] = []
 
             def completed() -> bool:
                 done.extend(a.completions())
                 return bool(done)
 
-            phase("read_complete", a, completed)
-            if done != [(rounds + i, 0)]:
+            self.phase("read_complete", a, completed)
+            if done != [(first_id + i, 0)]:
                 raise SystemExit(f"Read {i} completed as {done}")
-            settle()
-        # The Send ping-pong: each host answers as soon as it has received,
-        # with nothing in between, so each Send carries the Modified ACK of
-        # the one before it (as in send_lat, whose applications answer
-        # within the link's delayed-ACK time).  As there, each posts the
-        # receive for the answer just before its Send.
-        for i in range(rounds if only != "reads" else 0):
+            self.settle()
+
+    def sends(self, rounds: int) -> None:
+        """The Send ping-pong: each host answers as soon as it has received,
+        with nothing in between, so each Send carries the Modified ACK of
+        the one before it (as in send_lat, whose applications answer within
+        the link's delayed-ACK time).  As there, each posts the receive for
+        the answer just before its Send."""
+        a, b = self.a, self.b
+        la, lb = a.qp.link.link, b.qp.link.link
+        for i in range(rounds):
             seen: list[tuple[int, int]] = []  # a's completions this round
             for k, (src, dst, link) in enumerate(((a, b, la), (b, a, lb))):
                 recv_id, send_id = (4 + k) * rounds + i, (2 + k) * rounds + i
@@ -145,19 +150,44 @@ async def main(iters: int, only: str | None, profile: str | None) -> None:
                     got.extend(new)
                     return bool(new) and (recv_id, 0) in got
 
-                phase("send_send", src, lambda: link.stats.data_sent > sent)
-                phase("send_receive", dst, received)
+                self.phase("send_send", src, lambda: link.stats.data_sent > sent)
+                self.phase("send_receive", dst, received)
                 if dst is a:
                     seen = got
             if (2 * rounds + i, 0) not in seen:  # a's Send, carried by b's answer
                 raise SystemExit(f"Send {i} did not complete: {seen}")
+
+    def report(self) -> None:
+        """One line per phase measured (the warm-up rounds left out), then the profile if any."""
         for name in PHASES:
-            t = times[name][WARMUP:]
+            t = self.times[name][WARMUP:]
             if t:
                 print(f"{name:14s} median {statistics.median(t) / 1e3:6.1f} us, p10 {sorted(t)[len(t) // 10] / 1e3:6.1f} us, "
-                      f"passes {statistics.median(passes[name][WARMUP:]):g}")
-        if prof is not None:
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+                      f"passes {statistics.median(self.passes[name][WARMUP:]):g}")
+        if self.prof is not None:
+            pstats.Stats(self.prof).sort_stats("tottime").print_stats(30)
+
+
+async def main(iters: int, only: str | None, profile: str | None) -> None:
+    # No hand-over after a send: with nobody else to run, its yields would
+    # time the wait, not the pass.
+    policy = LoopPolicy(hand_over_s=0.0)
+    a, b = Host("127.0.0.2", gso=True, policy=policy), Host("127.0.0.3", gso=True, policy=policy)
+    for h in (a, b):
+        h.qp.caps["max_inline_data"] = 64  # Writes and Sends go inline, as perftest posts them
+    try:
+        a.connect(b)
+        b.connect(a)
+        await establish(a, b)
+        run = Phases(a, b, profile)
+        rounds = iters + WARMUP
+        # The Writes before the Reads: b answers a Read Request at once, and
+        # a link that has seen answers holds the ACK a Write asks for (up to
+        # max_ack_delay_s) for the answer no Write gets here.
+        run.writes(rounds if only is None else 0)
+        run.reads(rounds if only != "sends" else 0, rounds)
+        run.sends(rounds if only != "reads" else 0)
+        run.report()
     finally:
         a.close()
         b.close()
