@@ -44,6 +44,7 @@ import bisect
 
 from ..wire import link as wl
 from .ackhold import AckHold
+from .records import LinkStats
 from .recovery import Recovery
 
 _U32 = 0xFFFFFFFF
@@ -80,7 +81,7 @@ class Receiver:
                  "ranges", "starts", "recent", "delivered", "adv_rwnd", "ack_count", "ack_now", "ack_deadline", "hold")
 
     def __init__(self, rwnd_packets: int, ack_every: int, max_ack_delay_s: float, recovery: Recovery,
-                 stats: object) -> None:
+                 stats: LinkStats) -> None:
         self.rwnd_packets = rwnd_packets
         self.ack_every = ack_every
         self.max_ack_delay_s = max_ack_delay_s
