@@ -35,8 +35,8 @@ code   message                     tagged  QN
 Checked against secondary sources that follow the RFCs (Linux siw's
 ``iwarp.h``, Wireshark's iWARP dissector): both control fields, opcodes
 0000b-0111b and 1010b/1011b, QNs 0-2, the Read Request, Terminate and Atomic
-layouts, FetchAdd = 0000b and CmpSwap = 0010b.  Taken from RFC 7306 without
-a second source (its text could not be retrieved here): Immediate Data
+layouts, FetchAdd = 0000b and CmpSwap = 0010b.  Taken from RFC 7306 alone,
+with no second source to check them against: Immediate Data
 opcodes 1000b/1001b on QN 0, Atomic Request on QN 3, Atomic Response on QN 4,
 Swap = 0001b.
 
