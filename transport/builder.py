@@ -156,6 +156,7 @@ class Builder:
     recovery: Recovery
     receiver: Receiver
     cc: CongestionController
+    _cc_on_sent: bool  # cc implements the optional on_packet_sent hook
     pacer: Pacer
     rtt: RttEstimator
     _out: list[Any]  # control packets queued (handshake, keep-alive, ABORT)
@@ -245,10 +246,9 @@ class Builder:
         return out
 
     def _send_data(self, out: list[Any], now: float, clock: Any) -> int:
-        """Append to ``out`` the DATA packets that may leave now: lost
-        messages first, then new ones up to the peer's window.  Returns how
-        many left (the post-send bookkeeping done); 0: the ACK, if due,
-        still has to go."""
+        """Append to ``out`` the DATA packets that may leave now: lost messages
+        first, then new ones up to the peer's window.  Returns how many left
+        (their bookkeeping done); 0: the ACK, if due, still has to go."""
         rec = self.recovery
         lost, snd_nxt, limit = rec.lost, self._snd_nxt, self._next_n
         if limit > rec.una + self.peer_rwnd:
@@ -262,11 +262,9 @@ class Builder:
             self._cwnd_limited = rec.bytes_in_flight * 2 >= cwnd
             return 0
         ack, rwnd, sack = self.receiver.feedback()
-        ts = int(now * 1e6) & _U32
-        echo = self._echo(now)
+        ts, echo = int(now * 1e6) & _U32, self._echo(now)
         path_id, peer_tag, isn, next_n, runs = self.path_id, self.peer_tag, self.isn, self._next_n, self._runs
-        limited = False  # the window itself holds data back
-        sent = sent_bytes = 0
+        limited, sent, sent_bytes = False, 0, 0  # limited: the window itself holds data back
         while True:
             n = rec.next_lost() if lost else None  # retransmissions first
             retx = n is not None
@@ -321,21 +319,23 @@ class Builder:
         if not sent:
             self._cwnd_limited = limited or rec.bytes_in_flight * 2 >= cwnd
             return 0
-        self._data_sent(sent, sent_bytes, limited, now)
+        poor = self._poor_carrier
+        if poor and snd_nxt >= next_n:
+            self._poor_carrier = False  # such a message left: not an answer worth holding for
+        self._data_sent(sent, sent_bytes, limited, poor, now)
         return sent
 
-    def _data_sent(self, count: int, nbytes: int, limited: bool, now: float) -> None:
+    def _data_sent(self, count: int, nbytes: int, limited: bool, poor_carrier: bool, now: float) -> None:
         """``count`` DATA packets of ``nbytes`` in all left, carrying our
-        ACK (``limited``: the congestion window held more back): the
+        ACK (``limited``: the congestion window held more back;
+        ``poor_carrier``: one was queued with ``ack_carrier=False``): the
         bookkeeping after every send, by the loop or alone."""
         cc = self.cc
-        cc.on_packet_sent(nbytes, now)
+        if self._cc_on_sent:
+            cc.on_packet_sent(nbytes, now)
         self._cwnd_limited = limited or self.recovery.bytes_in_flight * 2 >= cc.cwnd_bytes
         self.stats.data_sent += count
-        poor = self._poor_carrier
-        if poor and self._snd_nxt >= self._next_n:
-            self._poor_carrier = False  # such a message left: not an answer worth holding for
-        self.receiver.ack_carried(now, poor)
+        self.receiver.ack_carried(now, poor_carrier)
         if self._rto_deadline is None:
             self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff  # RFC 6298 §5.1
 
@@ -426,24 +426,21 @@ class Builder:
 
     # --- alone: sent at once, bookkeeping after -----------------------------
 
-    def _leaves_alone(self, count: int, stride: int, last_len: int, now: float) -> bool:
-        """True if ``count`` messages queued next (``stride`` bytes, the last
-        ``last_len``) would be all that ``bursts_to_send`` sends now, and
-        all of them: nothing else queued, lost or owed a SACK block, room in
-        the peer's window, and the send loop's admission."""
+    def _leaves_alone(self, count: int, longest: int, now: float) -> bool:
+        """True if ``count`` messages queued next, none longer than
+        ``longest`` bytes, would leave first and alone from
+        ``bursts_to_send`` now: nothing else queued, lost or owed a SACK
+        block, room in the peer's window and in the send buffer (as
+        ``send_space`` asks of the owner), and the first of them admitted
+        by the send loop's own test (the rest of a run: :func:`admit`)."""
         rec = self.recovery
-        n = self._next_n
-        end = n + count
-        if (self.state != _ESTABLISHED or self._out or self._snd_nxt != n or rec.lost or self.receiver.ranges
-                or end > rec.una + self.peer_rwnd
-                or (stride if count > 1 and stride > last_len else last_len) > self.config.max_payload):
-            return False
-        if count == 1:
-            # the loop's own test (admit's, for one packet); a message of its
-            # own also stays within the send buffer, as send_space() asks
-            return (n - rec.una < self.config.send_buffer_packets and rec.bytes_in_flight < self.cc.cwnd_bytes
-                    and now >= self.pacer.next_send_s)
-        return self._admit_run(stride, count, last_len, now)[0] == count
+        end = self._next_n + count
+        una = rec.una
+        config = self.config
+        return (self.state == _ESTABLISHED and not self._out and self._snd_nxt + count == end and not rec.lost
+                and not self.receiver.ranges and end <= una + self.peer_rwnd
+                and end - una <= config.send_buffer_packets and longest <= config.max_payload
+                and rec.bytes_in_flight < self.cc.cwnd_bytes and now >= self.pacer.next_send_s)
 
     def frame_alone(self, message: bytes | bytearray, now: float, ack_now: bool = True) -> bytes | None:
         """The packet that ``send`` then :meth:`bursts_to_send` would
@@ -453,16 +450,16 @@ class Builder:
         :meth:`sent_alone` with it, so the link's bookkeeping comes after
         the datagram has left (a ping-pong's peer waits on the datagram,
         not on the bookkeeping)."""
-        size = len(message)
-        if not self._leaves_alone(1, size, size, now):
+        if not self._leaves_alone(1, len(message), now):
             return None
-        ack, rwnd, _ = self.receiver.feedback()  # no SACK blocks: _leaves_alone saw no ranges
+        rx = self.receiver  # no SACK blocks to carry: _leaves_alone saw no ranges
         # ACK_NOW as the usual path sets it on the last message queued (with
         # every earlier one sent, the flag of a queued message has gone out);
-        # the echo rule (_echo) written out: a ping-pong's every message
+        # the ACK field and the echo rule (_echo) written out: a ping-pong's every message
         return _encode_fields(_DATA, _ACK_NOW if ack_now else 0, self.path_id, self.peer_tag,
-                              (self.isn + self._next_n) & _U32, ack, int(now * 1e6) & _U32,
-                              (self._last_rx_ts + int((now - self._last_rx_time) * 1e6)) & _U32, rwnd, message, ())
+                              (self.isn + self._next_n) & _U32, (rx.peer_isn + rx.rcv_nxt) & _U32,
+                              int(now * 1e6) & _U32, (self._last_rx_ts + int((now - self._last_rx_time) * 1e6)) & _U32,
+                              rx.advertise(), message, ())
 
     def sent_alone(self, message: bytes | bytearray, size: int, now: float, ack_carrier: bool = True) -> int:
         """``message`` left in the packet :meth:`frame_alone` returned, of
@@ -473,13 +470,13 @@ class Builder:
         rec.add(n, message)
         rec.on_sent(n, size, False)
         self.pacer.on_sent(size, now)
-        # the queue as send() then the send loop leave it
+        # the queue as send() then the send loop leave it: all sent
         self._next_n = self._snd_nxt = n + 1
         self._pace_deadline = None
-        if not ack_carrier:
-            self._poor_carrier = True  # as send() records it; _data_sent sees it leave
+        poor = not ack_carrier or self._poor_carrier
+        self._poor_carrier = False
         self.stats.datagrams_sent += 1
-        self._data_sent(1, size, False, now)
+        self._data_sent(1, size, False, poor, now)
         return n
 
     def frame_run_alone(self, buf: bytearray | memoryview, stride: int, count: int, last_len: int, built: int,
@@ -492,11 +489,14 @@ class Builder:
         caller sends the view returned and then calls
         :meth:`sent_run_alone`, so the bookkeeping of a ping-pong's message
         of several datagrams comes after they have left."""
-        if self._framer is None or not self._leaves_alone(count, stride, last_len, now):
+        if (self._framer is None
+                or not self._leaves_alone(count, stride if count > 1 and stride > last_len else last_len, now)
+                or count > 1 and self._admit_run(stride, count, last_len, now)[0] != count):
             return None
-        ack, rwnd, _ = self.receiver.feedback()
+        rx = self.receiver
         # ACK_NOW on the last, as on the last message queued
-        self._frame_packets(buf, 0, self._next_n, count, stride, last_len, now, ack, rwnd, count - 1, _ACK_NOW, built)
+        self._frame_packets(buf, 0, self._next_n, count, stride, last_len, now, (rx.peer_isn + rx.rcv_nxt) & _U32,
+                            rx.advertise(), count - 1, _ACK_NOW, built)
         full = stride + wl.OVERHEAD
         return memoryview(buf)[:(count - 1) * full + last_len + wl.OVERHEAD].toreadonly()
 
@@ -516,11 +516,11 @@ class Builder:
         while runs and runs[0][1] <= n:
             runs.popleft()  # sent before: let go, as bursts_to_send does
         self.framed_datagrams += count
-        # the queue as send_run() then the send loop leave it
+        # the queue as send_run() then the send loop leave it: all sent
         self._next_n = self._snd_nxt = n + count
         self._pace_deadline = None
-        if not ack_carrier:
-            self._poor_carrier = True  # as send_run() records it; _data_sent sees it leave
+        poor = not ack_carrier or self._poor_carrier
+        self._poor_carrier = False
         self.stats.datagrams_sent += count
-        self._data_sent(count, total, False, now)
+        self._data_sent(count, total, False, poor, now)
         return n

@@ -71,7 +71,7 @@ from typing import Any
 from ..wire import link as wl
 from ..wire.errors import WireError
 from .builder import Builder, Burst, admit, one_per_datagram, run_slots
-from .congestion.base import INF, create
+from .congestion.base import INF, CongestionController, create
 from .pacer import Pacer
 from .receiver import Receiver
 from .records import LinkClosed, LinkConfig, LinkEvent, LinkFailed, LinkState, LinkStats, LinkUp
@@ -128,6 +128,8 @@ class Link(Builder):
         self._out: list[bytes] = []  # control packets queued (handshake, keep-alive, ABORT)
         mss = config.max_payload + wl.OVERHEAD
         self.cc = create(config.cc, mss, config.cc_params)
+        # on_packet_sent is an optional hook: a controller without it costs no call per send
+        self._cc_on_sent = type(self.cc).on_packet_sent is not CongestionController.on_packet_sent
         self.pacer = Pacer(config.pacing_burst_packets * mss, config.pacing_burst_s)
         self.rtt = RttEstimator(config.initial_rto_s, config.min_rto_s, config.max_rto_s)
         self.recovery = Recovery(config.reorder_threshold)

@@ -236,13 +236,19 @@ class Receiver:
 
     # --- what our packets carry -----------------------------------------------
 
-    def feedback(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
-        """The ACK field, the window to advertise (recorded as advertised)
-        and the SACK blocks, for a packet about to be built."""
+    def advertise(self) -> int:
+        """The window to advertise in a packet about to be built (the room
+        left, in packets, at most 0xFFFF), recorded as advertised."""
         w = self.rwnd_packets - len(self.delivered)
         w = 0 if w < 0 else 0xFFFF if w > 0xFFFF else w
         self.adv_rwnd = w
-        return (self.peer_isn + self.rcv_nxt) & _U32, w, self.sack_blocks() if self.ranges else ()
+        return w
+
+    def feedback(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """The ACK field, the window to advertise (:meth:`advertise`) and
+        the SACK blocks, for a packet about to be built."""
+        return ((self.peer_isn + self.rcv_nxt) & _U32, self.advertise(),
+                self.sack_blocks() if self.ranges else ())
 
     def sack_blocks(self) -> tuple[tuple[int, int], ...]:
         """Up to ``MAX_SACK_BLOCKS`` received ranges above ``rcv_nxt``, as wire sequences."""
