@@ -36,6 +36,18 @@ from . import ddp
 from .errors import WireError
 
 
+__all__ = [
+    "AtomicOp", "TermLayer", "RdmapErrorType", "RdmapErrorCode", "DdpErrorType", "DdpTaggedErrorCode",
+    "DdpUntaggedErrorCode", "LlpErrorCode", "READ_REQUEST_LEN", "ATOMIC_REQUEST_LEN", "ATOMIC_RESPONSE_LEN",
+    "IMMEDIATE_DATA_LEN", "TERMINATE_MIN_LEN", "TERMINATE_MAX_LEN", "TERM_ETYPES", "READ_REQUEST", "TERMINATE",
+    "ATOMIC_REQUEST", "ATOMIC_RESPONSE", "IMMEDIATE_DATA", "ReadRequest", "Terminate", "AtomicRequest",
+    "AtomicResponse", "encode_read_request", "pack_read_request_into", "decode_read_request_untrusted",
+    "encode_atomic_request", "pack_atomic_request_into", "decode_atomic_request_untrusted",
+    "encode_atomic_response", "decode_atomic_response_untrusted", "encode_immediate_data",
+    "decode_immediate_data_untrusted", "encode_terminate", "decode_terminate_untrusted",
+]
+
+
 class AtomicOp(enum.IntEnum):
     """Atomic Operation Code of an Atomic Request (RFC 7306 §5.2)."""
 
