@@ -509,7 +509,7 @@ class Builder:
         n = self._next_n
         rec = self.recovery
         full = stride + wl.OVERHEAD
-        rec.add_run(n, count, memoryview(buf), stride, last_len, *run_slots(stride))
+        rec.add_run(n, count, memoryview(buf), stride, last_len, wl.HEADER_LEN, full)  # run_slots(stride)
         rec.on_sent_run(n, count, full, last_len + wl.OVERHEAD)
         self.pacer.next_send_s = nxt
         runs = self._runs

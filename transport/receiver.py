@@ -245,10 +245,13 @@ class Receiver:
         return w
 
     def feedback(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
-        """The ACK field, the window to advertise (:meth:`advertise`) and
-        the SACK blocks, for a packet about to be built."""
-        return ((self.peer_isn + self.rcv_nxt) & _U32, self.advertise(),
-                self.sack_blocks() if self.ranges else ())
+        """The ACK field, the window to advertise (recorded as advertised,
+        as :meth:`advertise` does) and the SACK blocks, for a packet about
+        to be built."""
+        w = self.rwnd_packets - len(self.delivered)  # advertise(), written out: every burst's path
+        w = 0 if w < 0 else 0xFFFF if w > 0xFFFF else w
+        self.adv_rwnd = w
+        return (self.peer_isn + self.rcv_nxt) & _U32, w, self.sack_blocks() if self.ranges else ()
 
     def sack_blocks(self) -> tuple[tuple[int, int], ...]:
         """Up to ``MAX_SACK_BLOCKS`` received ranges above ``rcv_nxt``, as wire sequences."""
