@@ -160,14 +160,17 @@ class Link(Builder):
 
     @property
     def srtt_s(self) -> float | None:
+        """The smoothed RTT (RFC 6298 §2), or None before the first sample."""
         return self.rtt.srtt_s
 
     @property
     def cwnd_bytes(self) -> float:
+        """The congestion window, in bytes (may be under one packet: then paced)."""
         return self.cc.cwnd_bytes
 
     @property
     def bytes_in_flight(self) -> int:
+        """Bytes of DATA sent and neither acknowledged nor declared lost."""
         return self.recovery.bytes_in_flight
 
     @property
