@@ -90,3 +90,39 @@ def test_daemon_modules_import_only_modules_before_them(module: str) -> None:
         parts = name.split(".")
         if parts[:2] == ["udpverbs", "daemon"] and len(parts) > 2:
             assert parts[2] in earlier, f"daemon/{module}.py:{line} imports {name}, which comes later"
+
+
+# --- transport/: a one-way import order within the layer --------------------
+#: transport's modules, lowest first: a module may import only those before it
+#: (``congestion`` is a package and one entry; the layer's ``__init__`` is its
+#: facade and may import any of them).  A new module takes its place here.
+TRANSPORT_ORDER = ["sockbuf", "ackhold", "pacer", "recovery", "congestion", "records", "receiver", "builder", "link",
+                   "netsim"]
+
+
+def _transport_module(path: Path) -> str:
+    rel = path.relative_to(ROOT / "transport")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _transport_files():
+    for path in sorted((ROOT / "transport").rglob("*.py")):
+        if path != ROOT / "transport" / "__init__.py":
+            yield pytest.param(path, id=str(path.relative_to(ROOT)))
+
+
+def test_transport_order_names_every_module() -> None:
+    found = {_transport_module(p.values[0]) for p in _transport_files()}
+    assert found == set(TRANSPORT_ORDER)
+
+
+@pytest.mark.parametrize("path", list(_transport_files()))
+def test_transport_imports_only_earlier_modules(path: Path) -> None:
+    me = _transport_module(path)
+    for name, line in _imports(path, "transport"):
+        parts = name.split(".")
+        if parts[:2] != ["udpverbs", "transport"] or len(parts) < 3 or parts[2] == me:
+            continue
+        assert parts[2] in TRANSPORT_ORDER, f"{path}:{line} imports {name}, not in TRANSPORT_ORDER"
+        assert TRANSPORT_ORDER.index(parts[2]) < TRANSPORT_ORDER.index(me), \
+            f"{path}:{line}: {me} imports {parts[2]}, which comes after it in TRANSPORT_ORDER"

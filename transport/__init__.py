@@ -2,11 +2,15 @@
 
 Theory of operation
 -------------------
-``link.Link`` is the state machine (handshake, sequence/ACK/SACK, delivery,
-keep-alive), ``recovery`` holds the RTT estimator, sent-packet table and
+``link.Link`` is the connection's core (handshake, states, input, ACK
+processing, timers, events); ``receiver`` its receive side and ACK policy,
+``builder`` the datagrams it sends, ``records`` its config, state, events
+and counters.  ``recovery`` holds the RTT estimator, sent-packet table and
 loss detection, ``congestion/`` the pluggable controllers (``efe``,
-``efe-host``, ``aimd``, ``fixed``), ``pacer`` the release clock, and
-``netsim`` a deterministic simulator that drives real Links.  Nothing here
+``efe-host``, ``aimd``, ``fixed``), ``pacer`` the release clock,
+``ackhold`` the rule for holding an ACK for an answer, and ``netsim`` a
+deterministic simulator that drives real Links.  Each module imports only
+those before it in ``tests/test_layering.py``'s ``TRANSPORT_ORDER``.  Nothing here
 reads a clock or touches a socket: time comes in as ``now``.
 """
 

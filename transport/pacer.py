@@ -9,16 +9,17 @@ earliest time the next packet may leave; sending ``size`` bytes pushes it
 ``burst_bytes`` worth, so a flow that was quiet may send a short burst and no
 more (a token bucket, written as a virtual clock).  Bursts matter here: an
 unpaced sender on loopback lost 3-40% of its datagrams to receive-buffer
-overflow (DESIGN.md, measured facts), and on a shared bottleneck a window
-sent at once is a queue.
+overflow (``docs/DESIGN.md``), and on a shared bottleneck a window sent at
+once is a queue.
 
 A sender that only acts now and then also needs the credit of the time in
 between: ``burst_s`` lets the credit reach ``burst_s`` worth at the current
 rate when that is more than ``burst_bytes``.  The daemon acts once per pass
 of its loop, and a loaded pass lasts a good part of a millisecond; Linux TCP
 likewise sizes a burst to about 1 ms at the pacing rate (``sk_pacing_shift``
-10).  A cap in packets alone capped the rate: 32 packets of 1,472 B per
-300 µs pass is 157 MB/s, whatever the window.
+10).  A cap in packets alone caps the rate: 32 packets of 1,472 B per
+300 µs pass is 157 MB/s, whatever the window (``docs/DESIGN.md``, on the
+daemon's pacer).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Pacer:
         rate = self.rate_Bps
         if rate == INF:
             return
-        floor = self.floor(now)  # credit for idle time, capped
+        # credit for idle time, capped: floor(now), written out (every packet's path)
+        credit_s = self.burst_bytes / rate
+        floor = now - (credit_s if credit_s > self.burst_s else self.burst_s)
         t = self.next_send_s
         self.next_send_s = (t if t > floor else floor) + size / rate

@@ -70,8 +70,8 @@ class Recovery:
     the framer), with consecutive transmission ids.  Such runs are kept as
     runs, so queuing, sending and acknowledging one costs the same whatever
     its length; SACK blocks and losses split them.  Everything else is kept
-    per packet, as before runs existed (``tests/transport/recovery_model.py``,
-    against which this class is checked operation by operation).
+    per packet, as in the per-packet model ``tests/transport/recovery_model.py``
+    against which this class is checked operation by operation.
 
     Attributes:
         messages: n -> payload of the messages queued one by one (``add``)
@@ -233,9 +233,9 @@ class Recovery:
         if cum == self.una + 1 and not sacks and len(order) == 1 and not self._spans and not self._runs:
             # One packet in flight, and this ACK covers it: every ACK of a
             # ping-pong.  What the general path below does then, without
-            # its loops (it is 2-3 us of each latency hop's receiving pass):
-            # the packet leaves the table, its payload goes, and the loss
-            # walk finds nothing (only that packet's entry was in order).
+            # its calls and loops (a latency hop's receiving pass waits on
+            # them): the packet leaves the table, its payload goes, and the
+            # loss walk finds nothing (only that packet's entry was in order).
             tx, n = order[0]
             info = inflight.get(n)
             if n == cum - 1 and info is not None and info[0] == tx and len(self._sack_from_start) <= 64:
@@ -247,79 +247,22 @@ class Recovery:
                 if info[2] > self.max_delivered_tx:
                     self.max_delivered_tx = info[2]
                 return info[1], 0
-        sacked = self.sacked
-        spans = self._spans
         acked = 0
         maxtx = self.max_delivered_tx
         if cum > self.una:
-            n = self.una
-            while n < cum:
-                if spans and spans[0][0] <= n:
-                    # A span's packets: first transmissions, credited with
-                    # their own ids, the highest being the last one acked.
-                    s = spans[0]
-                    n0, n1, tx0, size, last_size = s
-                    if n1 <= cum:
-                        acked += (n1 - n0 - 1) * size + last_size
-                        top = tx0 + n1 - n0 - 1
-                        del spans[0]
-                        n = n1
-                    else:
-                        acked += (cum - n0) * size
-                        top = tx0 + cum - n0 - 1
-                        s[0], s[2] = cum, tx0 + cum - n0
-                        n = cum
-                    if top > maxtx:
-                        maxtx = top
-                    continue
-                stop = spans[0][0] if spans and spans[0][0] < cum else cum
-                for k in range(n, stop):
-                    info = inflight.pop(k, None)
-                    if info is not None:
-                        acked += info[1]
-                        if info[2] > maxtx:
-                            maxtx = info[2]
-                    elif sacked:
-                        sacked.discard(k)
-                n = stop
-            self._drop_payloads(self.una, cum)
-            self.una = cum
-        memo_s = self._sack_from_start
-        memo_e = self._sack_from_end
-        for start, end in sacks:
-            # SACK blocks repeat across ACKs (RFC 2018 §4); walk only the
-            # part of this block no earlier block with the same start or end
-            # covered, so a repeated block costs O(1).
-            lo = memo_s.get(start, start)
-            hi = memo_e.get(end, end)
-            memo_s[start] = end
-            memo_e[end] = start
-            if lo < cum:
-                lo = cum
-            if lo >= hi:
-                continue
-            for n in range(lo, hi):
-                # Also a message already declared lost (so not in flight):
-                # SACKed now, it must not be retransmitted.
-                sacked.add(n)
-                info = inflight.pop(n, None)
-                if info is not None:
-                    acked += info[1]
-                    if info[2] > maxtx:
-                        maxtx = info[2]
-            if spans:
-                nbytes, top = self._take_spans(lo, hi)
-                acked += nbytes
-                if top > maxtx:
-                    maxtx = top
-        if len(memo_s) > 64:
-            self._sack_from_start = {k: v for k, v in memo_s.items() if v > cum}
-            self._sack_from_end = {k: v for k, v in memo_e.items() if k > cum}
+            acked, maxtx = self._ack_cumulative(cum, maxtx)
+        if sacks:
+            nbytes, maxtx = self._ack_sacks(cum, sacks, maxtx)
+            acked += nbytes
+        if len(self._sack_from_start) > 64:  # forget blocks wholly below the cumulative ACK
+            self._sack_from_start = {k: v for k, v in self._sack_from_start.items() if v > cum}
+            self._sack_from_end = {k: v for k, v in self._sack_from_end.items() if k > cum}
         self.bytes_in_flight -= acked
         self.max_delivered_tx = maxtx
         # QUIC packet threshold on transmission ids (RFC 9002 §6.1.1), over
         # single packets and spans merged in transmission order.
         threshold = maxtx - self.reorder_threshold
+        spans = self._spans
         lost = self.lost
         lost_bytes = 0
         while True:
@@ -354,6 +297,86 @@ class Recovery:
             lost.extend(range(n0, n0 + k))
         self.bytes_in_flight -= lost_bytes
         return acked, lost_bytes
+
+    def _ack_cumulative(self, cum: int, maxtx: int) -> tuple[int, int]:
+        """Messages ``una`` .. ``cum - 1`` are acknowledged: take them out of
+        flight and drop their payloads.  Returns their bytes in flight and
+        the highest transmission id credited (at least ``maxtx``)."""
+        inflight = self.inflight
+        sacked = self.sacked
+        spans = self._spans
+        acked = 0
+        n = self.una
+        while n < cum:
+            if spans and spans[0][0] <= n:
+                # A span's packets: first transmissions, credited with
+                # their own ids, the highest being the last one acked.
+                s = spans[0]
+                n0, n1, tx0, size, last_size = s
+                if n1 <= cum:
+                    acked += (n1 - n0 - 1) * size + last_size
+                    top = tx0 + n1 - n0 - 1
+                    del spans[0]
+                    n = n1
+                else:
+                    acked += (cum - n0) * size
+                    top = tx0 + cum - n0 - 1
+                    s[0], s[2] = cum, tx0 + cum - n0
+                    n = cum
+                if top > maxtx:
+                    maxtx = top
+                continue
+            stop = spans[0][0] if spans and spans[0][0] < cum else cum
+            for k in range(n, stop):
+                info = inflight.pop(k, None)
+                if info is not None:
+                    acked += info[1]
+                    if info[2] > maxtx:
+                        maxtx = info[2]
+                elif sacked:
+                    sacked.discard(k)
+            n = stop
+        self._drop_payloads(self.una, cum)
+        self.una = cum
+        return acked, maxtx
+
+    def _ack_sacks(self, cum: int, sacks: list[tuple[int, int]], maxtx: int) -> tuple[int, int]:
+        """Apply SACK ranges [start, end) above ``cum``.  Returns the bytes
+        they newly take out of flight and the highest transmission id
+        credited (at least ``maxtx``)."""
+        inflight = self.inflight
+        sacked = self.sacked
+        spans = self._spans
+        acked = 0
+        memo_s = self._sack_from_start
+        memo_e = self._sack_from_end
+        for start, end in sacks:
+            # SACK blocks repeat across ACKs (RFC 2018 §4); walk only the
+            # part of this block no earlier block with the same start or end
+            # covered, so a repeated block costs O(1).
+            lo = memo_s.get(start, start)
+            hi = memo_e.get(end, end)
+            memo_s[start] = end
+            memo_e[end] = start
+            if lo < cum:
+                lo = cum
+            if lo >= hi:
+                continue
+            for n in range(lo, hi):
+                # Also a message already declared lost (so not in flight):
+                # SACKed now, it must not be retransmitted.
+                sacked.add(n)
+                info = inflight.pop(n, None)
+                if info is not None:
+                    acked += info[1]
+                    if info[2] > maxtx:
+                        maxtx = info[2]
+            if spans:
+                nbytes, top = self._take_spans(lo, hi)
+                acked += nbytes
+                if top > maxtx:
+                    maxtx = top
+        return acked, maxtx
 
     def on_rto(self) -> int:
         """Declare everything in flight lost (RFC 6298 §5.4 onwards, with SACK:

@@ -1,6 +1,6 @@
-"""``transport.link._admit`` against the send loop it stands for.
+"""``transport.builder.admit`` against the send loop it stands for.
 
-The framer's path admits a run of packets with ``_admit``; the Python path
+The framer's path admits a run of packets with ``admit``; the Python path
 admits packet by packet, testing the window and the pacer and advancing the
 pacer before each next one.  Both must agree to the bit on how many leave,
 on their bytes and on the pacer's next time, or a daemon's pacing would
@@ -13,7 +13,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from udpverbs.transport.congestion.base import INF
-from udpverbs.transport.link import _admit
+from udpverbs.transport.builder import admit
 
 
 def _loop(m: int, full: int, tail: int, cwnd: float, inflight: int, rate: float, nxt: float, floor: float,
@@ -44,19 +44,19 @@ def test_the_run_admits_what_the_loop_admits(m: int, full: int, tail_cut: int, c
     tail = full - tail_cut % full  # 1 .. full
     now = base + now_off
     args = (m, full, tail, cwnd, inflight, rate, base + nxt_off, base + floor_off, now)
-    assert _admit(*args) == _loop(*args)
+    assert admit(*args) == _loop(*args)
 
 
 def test_the_boundaries_are_exact() -> None:
     # the window: the packet that would start at exactly cwnd is refused
-    assert _admit(10, 100, 100, 500, 0, INF, 0.0, 0.0, 1.0) == (5, 0.0, 500)
-    assert _admit(10, 100, 100, 500.5, 0, INF, 0.0, 0.0, 1.0) == (6, 0.0, 600)
+    assert admit(10, 100, 100, 500, 0, INF, 0.0, 0.0, 1.0) == (5, 0.0, 500)
+    assert admit(10, 100, 100, 500.5, 0, INF, 0.0, 0.0, 1.0) == (6, 0.0, 600)
     # a window so large that the float division rounds up past the boundary
     cwnd, full, inflight = 9.440299487687922e18, 5936, 919
     exact = -(-(int(cwnd) - inflight) // full)
-    assert _admit(2 * exact, full, full, cwnd, inflight, INF, 0.0, 0.0, 1.0)[0] == exact
+    assert admit(2 * exact, full, full, cwnd, inflight, INF, 0.0, 0.0, 1.0)[0] == exact
     # the last packet, shorter, is checked before its size counts
-    assert _admit(3, 100, 7, 201, 0, INF, 0.0, 0.0, 1.0) == (3, 0.0, 207)
+    assert admit(3, 100, 7, 201, 0, INF, 0.0, 0.0, 1.0) == (3, 0.0, 207)
     # the pacer: a packet whose time is exactly now leaves
     args = (4, 100, 100, 1e9, 0, 100.0, 1.0, 0.0, 3.0)
-    assert _admit(*args) == _loop(*args) == (3, 4.0, 300)
+    assert admit(*args) == _loop(*args) == (3, 4.0, 300)

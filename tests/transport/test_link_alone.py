@@ -113,7 +113,7 @@ def _send_messages(lp: Link, la: Link, t: float, rng: random.Random) -> tuple[li
             la.send(message, t, ack_now, carrier)
         else:
             out_alone.append(d)
-            assert la.sent_alone(message, len(d), t, carrier) == lp._next_n - 1
+            assert la.sent_alone(message, len(d), t, carrier) == lp.next_n - 1
             went += 1
             # the usual path sends that packet, and only it, now
             out_plain += [bytes(x) for x in lp.datagrams_to_send(t)]
@@ -192,7 +192,7 @@ def _send_runs(lp: Link, la: Link, t: float, rng: random.Random) -> tuple[list[b
             la.send_run(buf, stride, count, last_len, carrier)
             continue
         packets = bytes(view)
-        assert la.sent_run_alone(buf, stride, count, last_len, t, carrier) == lp._next_n - count
+        assert la.sent_run_alone(buf, stride, count, last_len, t, carrier) == lp.next_n - count
         went += 1
         # the usual path sends those packets, and only them, now
         got = [bytes(x) for x in lp.datagrams_to_send(t)]

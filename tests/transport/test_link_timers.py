@@ -511,10 +511,10 @@ def test_receive_window_is_respected() -> None:
         out = a.datagrams_to_send(now)
         assert len(out) <= 4
         feed(b, out, now + D)
-        assert len(b._delivered) <= 4  # never more than rwnd undrained
+        assert len(b.receiver.delivered) <= 4  # never more than rwnd undrained
         feed(a, b.datagrams_to_send(now + D), now + 2 * D)
         now += 2 * D
-        if len(b._delivered) == 4:
+        if len(b.receiver.delivered) == 4:
             # The window is closed until the owner drains: nothing may come.
             assert a.datagrams_to_send(now) == []
             got += b.drain_received()  # reopens: a window update goes out

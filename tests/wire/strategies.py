@@ -72,8 +72,8 @@ segments = st.one_of(tagged_segments(), untagged_segments())
 
 @st.composite
 def terminates(draw: st.DrawFn) -> rdmap.Terminate:
-    layer = draw(st.sampled_from(sorted(rdmap._TERM_ETYPES)))
-    etype = draw(st.sampled_from(sorted(rdmap._TERM_ETYPES[layer])))
+    layer = draw(st.sampled_from(sorted(rdmap.TERM_ETYPES)))
+    etype = draw(st.sampled_from(sorted(rdmap.TERM_ETYPES[layer])))
     ddp_header = b""
     seglen = 0
     if draw(st.booleans()):

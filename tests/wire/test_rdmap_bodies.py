@@ -252,3 +252,11 @@ def test_arbitrary_bytes_raise_only_wire_error(data: bytes) -> None:
         rdmap.decode_terminate_untrusted,
     ):
         outcome(dec, data)
+
+
+def test_rdmap_names_every_body_layout_of_rdmap_bodies() -> None:
+    # one definition of each layout (rdmap_bodies), reachable as rdmap.X for every caller
+    from udpverbs.wire import rdmap_bodies
+
+    for name in rdmap_bodies.__all__:
+        assert getattr(rdmap, name) is getattr(rdmap_bodies, name), name

@@ -92,10 +92,8 @@ EFE_HOST_PARAMS: dict[str, float | bool] = {
     "min_window_packets": 0.5,
     # Here the window changes once per pass of the daemon's loop (about a
     # millisecond on a loaded host), however short the base RTT; a probe
-    # every 200 base RTTs (every 4-18 ms with kernel stamps on loopback,
-    # where the base RTT is 20-90 µs) halved the window again before it had
-    # grown back, and held write_bw at 1472 B to 35-51 MB/s (47-70 with
-    # probes at most every 100 ms; 3-4 runs each).
+    # every 200 base RTTs (every few ms on loopback, where the base RTT is
+    # tens of µs) halves the window again before it has grown back.
     "min_probe_interval_s": 0.1,
 }
 

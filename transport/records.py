@@ -1,0 +1,114 @@
+"""The records a link's owner handles: its tunables, state, events and counters.
+
+Theory of operation
+-------------------
+Plain data, apart from ``link.Link`` so that every part of the link
+(``builder.py``, ``link.py``) and its owner can name them without importing
+the state machine.  ``LinkConfig`` is read, never changed, by a link;
+``LinkStats`` only grows; an event is popped once by ``Link.next_event``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..wire import link as wl
+
+
+class LinkState(enum.IntEnum):
+    """Where a link is in its life (see ``link.py`` for the handshake)."""
+
+    IDLE = 0  #: created, nothing sent or received
+    INIT_SENT = 1  #: active open, waiting for INIT_ACK
+    INIT_RECEIVED = 2  #: peer's tag known, waiting for proof the peer knows ours
+    ESTABLISHED = 3
+    CLOSED = 4  #: close() called
+    FAILED = 5  #: sticky; see the LinkFailed event for the reason
+
+
+
+@dataclass(frozen=True)
+class LinkUp:
+    """The link is established; ``peer_incarnation`` identifies the peer's daemon run."""
+
+    peer_incarnation: int
+
+
+@dataclass(frozen=True)
+class LinkFailed:
+    """The link is dead for good: ``handshake_timeout``, ``retransmit_budget``,
+    ``dead_peer``, ``peer_restarted`` (INIT with a new incarnation),
+    ``peer_reset`` (INIT with the same incarnation but a new tag: the peer
+    dropped the link) or ``abort_received``."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class LinkClosed:
+    """``close()`` was called; an ABORT went to the peer."""
+
+
+LinkEvent = LinkUp | LinkFailed | LinkClosed
+
+
+@dataclass
+class LinkConfig:
+    """Tunables of one link.  Defaults suit a data-centre or loopback path
+    (RTT 20 µs - 1 ms)."""
+
+    #: largest message (link body); 1472-byte UDP payloads by default
+    max_payload: int = 1472 - wl.OVERHEAD
+    #: receive window in packets (buffered out of order + undrained)
+    rwnd_packets: int = 256
+    #: messages the owner may queue beyond ``acked`` (send_space bound)
+    send_buffer_packets: int = 512
+    ack_every: int = 2
+    max_ack_delay_s: float = 200e-6
+    initial_rto_s: float = 0.05
+    min_rto_s: float = 0.004
+    max_rto_s: float = 2.0
+    #: consecutive RTOs without progress before LinkFailed("retransmit_budget")
+    max_retransmits: int = 10
+    #: INIT / INIT_ACK retransmissions before LinkFailed("handshake_timeout")
+    max_init_retransmits: int = 8
+    keepalive_idle_s: float = 1.0
+    dead_peer_s: float = 5.0
+    #: packets sent after a loss before it is declared lost (RFC 9002 §6.1.1)
+    reorder_threshold: int = 3
+    cc: str = "efe"
+    cc_params: dict[str, Any] = field(default_factory=dict)
+    #: burst the pacer allows after idle, in packets...
+    pacing_burst_packets: float = 2.0
+    #: ...or in time at the pacing rate, if that is more (see pacer.py)
+    pacing_burst_s: float = 0.0
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Counters; garbage from the network ends up here, never as an exception."""
+
+    datagrams_received: int = 0
+    datagrams_sent: int = 0
+    data_sent: int = 0
+    data_received: int = 0
+    acks_sent: int = 0
+    truncated: int = 0
+    bad_crc: int = 0
+    malformed: int = 0  #: other WireError (version, ptype, SACK count, init body)
+    bad_tag: int = 0
+    unexpected: int = 0  #: valid packet that does not fit the state (e.g. after failure)
+    duplicate: int = 0
+    out_of_window: int = 0
+    bad_ack: int = 0  #: ACK for data never sent
+    bad_init: int = 0  #: INIT/INIT_ACK inconsistent with the peer we know
+    retransmits: int = 0
+    fast_retransmits: int = 0  #: packets declared lost from SACK information
+    rto_count: int = 0
+    keepalives_sent: int = 0
+    ack_holds_expired: int = 0  #: ACK_NOW ACKs held for an answer that did not come in time
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
