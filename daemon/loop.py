@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 trio owns the daemon's tasks (control server, sessions, the connection
 manager), but the data path is one tight loop, because waking a trio task
-per event costs hundreds of microseconds (``docs/DESIGN.md``, measured
-facts).  :meth:`DataLoop.run` calls the device's ``poll_once`` while it
+per event costs hundreds of microseconds (``docs/DESIGN.md``, "Facts
+measured").  :meth:`DataLoop.run` calls the device's ``poll_once`` while it
 finds work, letting the control plane in every 16 busy passes.
 
 When a pass finds nothing to do the loop spins for at most ``spin_s``

@@ -198,21 +198,6 @@ class Link(Builder):
         """When the datagram processed last reached this host (see :meth:`datagram_received`)."""
         return self._arrived
 
-    # Read-only aliases of state that moved to the receiver, for tests that
-    # still read the old private names; the public names are receiver.ack_now,
-    # receiver.ack_count and receiver.delivered.  Remove once nothing reads them.
-    @property
-    def _ack_now(self) -> bool:
-        return self.receiver.ack_now
-
-    @property
-    def _ack_count(self) -> int:
-        return self.receiver.ack_count
-
-    @property
-    def _delivered(self) -> list[bytes | memoryview]:
-        return self.receiver.delivered
-
     # --- opening and closing ------------------------------------------------
 
     def connect(self, now: float) -> None:

@@ -9,7 +9,7 @@ earliest time the next packet may leave; sending ``size`` bytes pushes it
 ``burst_bytes`` worth, so a flow that was quiet may send a short burst and no
 more (a token bucket, written as a virtual clock).  Bursts matter here: an
 unpaced sender on loopback lost 3-40% of its datagrams to receive-buffer
-overflow (``docs/DESIGN.md``), and on a shared bottleneck a window sent at
+overflow (``docs/DESIGN.md``, "Facts measured"), and on a shared bottleneck a window sent at
 once is a queue.
 
 A sender that only acts now and then also needs the credit of the time in
@@ -18,8 +18,7 @@ rate when that is more than ``burst_bytes``.  The daemon acts once per pass
 of its loop, and a loaded pass lasts a good part of a millisecond; Linux TCP
 likewise sizes a burst to about 1 ms at the pacing rate (``sk_pacing_shift``
 10).  A cap in packets alone caps the rate: 32 packets of 1,472 B per
-300 µs pass is 157 MB/s, whatever the window (``docs/DESIGN.md``, on the
-daemon's pacer).
+300 µs pass is at most 157 MB/s, whatever the window.
 """
 
 from __future__ import annotations

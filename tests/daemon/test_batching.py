@@ -201,7 +201,7 @@ async def test_requests_keep_their_place_among_other_messages(native: bool) -> N
             h.qp.attrs["max_rd_atomic"] = h.qp.attrs["max_dest_rd_atomic"] = 16
         b.post_recv(50, 8192, 64)
         link = a.qp.link.link
-        first = link._next_n
+        first = link.next_n
         a.post_write(0, 4096, 4, b, 0, opcode=WrOpcode.IBV_WR_RDMA_READ)
         a.post_write(1, 4100, 4, b, 16, opcode=WrOpcode.IBV_WR_RDMA_READ)
         a.post_write(2, 0, 4, b, 0)
@@ -212,7 +212,7 @@ async def test_requests_keep_their_place_among_other_messages(native: bool) -> N
         a.dev.poll_once()
         assert not a.qp.link.requests
         kinds = [segment.decode_untrusted(bytes(link.recovery.message(n)))[1].opcode
-                 for n in range(first, link._next_n)]
+                 for n in range(first, link.next_n)]
         assert kinds == [Opcode.RDMA_READ_REQUEST, Opcode.RDMA_READ_REQUEST, Opcode.RDMA_WRITE,
                          Opcode.RDMA_READ_REQUEST, Opcode.SEND, Opcode.ATOMIC_REQUEST, Opcode.ATOMIC_REQUEST]
         assert complete(a, b, 7) == [(i, W.IBV_WC_SUCCESS) for i in range(7)]
@@ -550,7 +550,7 @@ async def test_a_datagram_carries_its_kernel_arrival_time_to_the_link() -> None:
     b.dev.poll_once()
     link = b.qp.link.link
     assert link.stats.data_received >= 2
-    assert b.dev.now - 0.5 < link._arrived <= b.dev.now - 0.015
+    assert b.dev.now - 0.5 < link.arrived <= b.dev.now - 0.015
 
 
 def test_arrival_stamps_outside_the_last_second_are_not_trusted() -> None:

@@ -178,10 +178,10 @@ async def test_a_message_of_several_datagrams_on_a_quiet_link_leaves_at_once_and
     at_hand_over = []
     hand_over = a.dev.handed_over
     link = a.qp.link.link
-    next_n = link._next_n
+    next_n = link.next_n
 
     def recording(pl):  # type: ignore[no-untyped-def]
-        at_hand_over.append((bool(b.dev.udp.rx_epoll.poll(0)), link._next_n))
+        at_hand_over.append((bool(b.dev.udp.rx_epoll.poll(0)), link.next_n))
         hand_over(pl)
 
     a.dev.handed_over = recording  # type: ignore[method-assign]
@@ -190,7 +190,7 @@ async def test_a_message_of_several_datagrams_on_a_quiet_link_leaves_at_once_and
     a.dev.poll_once()
     assert a.dev.stats["tx_run_alone"] == 1
     assert at_hand_over == [(True, next_n)]  # at B's socket already; not recorded yet
-    assert link._next_n == link._snd_nxt == next_n + 3
+    assert link.next_n == link.snd_nxt == next_n + 3
     assert fake.yields == 2 and a.dev.stats["hand_over_answered"] == 1
     assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
     assert bytes(b.mr.view[:3000]) == bytes(a.mr.view[:3000])

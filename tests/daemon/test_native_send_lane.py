@@ -81,7 +81,7 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
         assert pf.link.pacer.next_send_s == ps.link.pacer.next_send_s
         # a batch is let go once sent, whichever path sent it (SACK blocks
         # may keep the lane off for a long time)
-        assert all(run[1] > pf.link._snd_nxt for run in pf.link._runs)
+        assert all(run[1] > pf.link.snd_nxt for run in pf.link.queued_runs)
         held += out_f
         if rng.random() < 0.3:
             continue

@@ -102,7 +102,7 @@ def turn(host: Host, pl: object, now: float, clock: object = None) -> list[bytes
 
 def link_state(pl: object) -> tuple[object, ...]:
     link = pl.link  # type: ignore[attr-defined]
-    return (link.rcv_nxt, link.peer_rwnd, link._last_ack_field, link._last_rx_ts, link._ack_now, link._ack_count,
+    return (link.rcv_nxt, link.peer_rwnd, link.last_ack_field, link.last_rx_ts, link.receiver.ack_now, link.receiver.ack_count,
             link.acked, link.srtt_s, link.cwnd_bytes, link.stats.as_dict())
 
 

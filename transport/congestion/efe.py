@@ -2,10 +2,11 @@
 
 Theory of operation
 -------------------
-ExpEther's Ether Forwarding Engine (SEEDS.md §1) keeps a lossless fabric by
-end-to-end, *delay-based* control: it probes the path, keeps a *predicted*
-round-trip time, ramps quickly while the measured RTT matches the
-prediction, and backs off as soon as switch queues build.  No EFE algorithm
+ExpEther's Ether Forwarding Engine (``docs/DESIGN.md``, "Where the ideas
+come from") keeps a lossless fabric by end-to-end, *delay-based* control:
+it probes the path, keeps a *predicted* round-trip time, ramps quickly
+while the measured RTT matches the prediction, and backs off as soon as
+switch queues build.  No EFE algorithm
 is published, so this controller combines that description with two
 published delay-based schemes for data centres:
 
