@@ -42,7 +42,7 @@ from .inprocess import Host, establish
 PHASES = ("write_send", "write_receive", "send_send", "send_receive", "read_request", "read_respond", "read_complete")
 #: phases with more passes than this have stopped making progress
 PASS_LIMIT = 20_000
-#: rounds before measuring (caches, first hints, the link's RTT estimate)
+#: iterations before measuring (caches, first hints, the link's RTT estimate)
 WARMUP = 100
 
 
@@ -59,7 +59,7 @@ def _turn(host: Host, done: Callable[[], bool]) -> tuple[int, int]:
 
 
 class Phases:
-    """Two hosts and the time of each phase of each round."""
+    """Two hosts and the time of each phase of each iteration."""
 
     def __init__(self, a: Host, b: Host, profile: str | None) -> None:
         self.a, self.b = a, b
@@ -80,7 +80,7 @@ class Phases:
         self.passes[name].append(n)
 
     def settle(self, until: Callable[[], bool] = lambda: True) -> None:
-        """ACKs and completions of the round just measured, outside any
+        """ACKs and completions of the iteration just measured, outside any
         phase (``until``: what must have happened, given up to 50 ms)."""
         deadline = time.monotonic() + 0.05
         for _ in range(3):
@@ -90,11 +90,11 @@ class Phases:
             self.a.dev.poll_once()
             self.b.dev.poll_once()
 
-    def writes(self, rounds: int) -> None:
+    def writes(self, count: int) -> None:
         """Inline 2-byte Writes from a to b, one at a time."""
         a, b = self.a, self.b
         la = a.qp.link.link
-        for i in range(rounds):
+        for i in range(count):
             marker = i % 255 + 1
             a.mr.view[1] = marker
             a.post_write(i, 0, 2, b, 64, inline=True)
@@ -106,11 +106,11 @@ class Phases:
             if wc != [(i, 0)]:
                 raise SystemExit(f"Write {i} did not complete alone")
 
-    def reads(self, rounds: int, first_id: int) -> None:
+    def reads(self, count: int, first_id: int) -> None:
         """2-byte Reads of b's memory by a, one at a time."""
         a, b = self.a, self.b
         la, lb = a.qp.link.link, b.qp.link.link
-        for i in range(rounds):
+        for i in range(count):
             a.post_write(first_id + i, 128, 2, b, 256, opcode=WrOpcode.IBV_WR_RDMA_READ)
             sent, answered = la.stats.data_sent, lb.stats.data_sent
             self.phase("read_request", a, lambda: la.stats.data_sent > sent)
@@ -126,7 +126,7 @@ class Phases:
                 raise SystemExit(f"Read {i} completed as {done}")
             self.settle()
 
-    def sends(self, rounds: int) -> None:
+    def sends(self, count: int) -> None:
         """The Send ping-pong: each host answers as soon as it has received,
         with nothing in between, so each Send carries the Modified ACK of
         the one before it (as in send_lat, whose applications answer within
@@ -134,13 +134,13 @@ class Phases:
         the answer just before its Send."""
         a, b = self.a, self.b
         la, lb = a.qp.link.link, b.qp.link.link
-        for i in range(rounds):
-            seen: list[tuple[int, int]] = []  # a's completions this round
+        for i in range(count):
+            seen: list[tuple[int, int]] = []  # a's completions this iteration
             for k, (src, dst, link) in enumerate(((a, b, la), (b, a, lb))):
-                recv_id, send_id = (4 + k) * rounds + i, (2 + k) * rounds + i
+                recv_id, send_id = (4 + k) * count + i, (2 + k) * count + i
                 if i == 0 and k == 0:
                     dst.post_recv(recv_id, 512, 64)  # b's first
-                src.post_recv(5 * rounds + i if k == 0 else 4 * rounds + i + 1, 512, 64)
+                src.post_recv(5 * count + i if k == 0 else 4 * count + i + 1, 512, 64)
                 src.post_write(send_id, 0, 2, dst, 0, opcode=WrOpcode.IBV_WR_SEND, inline=True)
                 sent = link.stats.data_sent
                 got: list[tuple[int, int]] = []
@@ -154,11 +154,11 @@ class Phases:
                 self.phase("send_receive", dst, received)
                 if dst is a:
                     seen = got
-            if (2 * rounds + i, 0) not in seen:  # a's Send, carried by b's answer
+            if (2 * count + i, 0) not in seen:  # a's Send, carried by b's answer
                 raise SystemExit(f"Send {i} did not complete: {seen}")
 
     def report(self) -> None:
-        """One line per phase measured (the warm-up rounds left out), then the profile if any."""
+        """One line per phase measured (the warm-up iterations left out), then the profile if any."""
         for name in PHASES:
             t = self.times[name][WARMUP:]
             if t:
@@ -180,13 +180,13 @@ async def main(iters: int, only: str | None, profile: str | None) -> None:
         b.connect(a)
         await establish(a, b)
         run = Phases(a, b, profile)
-        rounds = iters + WARMUP
+        count = iters + WARMUP
         # The Writes before the Reads: b answers a Read Request at once, and
         # a link that has seen answers holds the ACK a Write asks for (up to
         # max_ack_delay_s) for the answer no Write gets here.
-        run.writes(rounds if only is None else 0)
-        run.reads(rounds if only != "sends" else 0, rounds)
-        run.sends(rounds if only != "reads" else 0)
+        run.writes(count if only is None else 0)
+        run.reads(count if only != "sends" else 0, count)
+        run.sends(count if only != "reads" else 0)
         run.report()
     finally:
         a.close()

@@ -76,7 +76,7 @@ _FLOW_ACK_LEN = envelope.FLOW_ACK_LEN
 #: WQEs a pump turn takes before it sends what it has queued.  Without it a
 #: turn took a whole window of small Sends and sent them at its end; the
 #: receiver read them in one pass and sent one Modified ACK for all, so the
-#: application could post again only when the whole window had gone round.
+#: application could post again only when the whole window had been acknowledged.
 #: 32 kept both daemons busiest on a 64-byte Send stream (64, a whole
 #: UDP_SEGMENT call, less so).  Large messages never reach it.
 FLUSH_EVERY = 32

@@ -6,8 +6,8 @@ Every participant builds the same tree from the same member list
 (``barrier_init`` is local and sends nothing).  A node that has heard
 ``ARRIVE`` from all its children, and has itself arrived, sends ``ARRIVE`` to
 its parent; when the root completes, ``RELEASE`` flows from the root down to
-the leaves.  ``generation`` counts the barrier's rounds, so an ARRIVE of the
-next round that overtakes a RELEASE is not mistaken for this round's, and
+the leaves.  ``generation`` numbers the group's successive barriers, so an ARRIVE of the
+next barrier that overtakes a RELEASE is not mistaken for this one's, and
 duplicates are recognised.
 
 One 16-byte layout::
