@@ -142,6 +142,8 @@ class Device:
         self.receiver = Receiver(self.udp, self.links, self.qps, self.scheduler, self.lane, self.stats,
                                  config.rx_dispatch_budget, self._passive_link)
         self.loop = DataLoop(self, config.spin_s, config.max_sleep_s)
+        #: the most whole requests an armed lane call may take (its dispatch budget)
+        self.arm_limit = config.rx_dispatch_budget or WHOLE_MAX
         self.eager_runs = policy.eager_runs
         #: the longest hand-over (none where the daemon is not to spin)
         self.hand_over_s = min(policy.hand_over_s, config.spin_s)
@@ -298,15 +300,25 @@ class Device:
         if self.qps.version != sched.seen:
             self._qps_changed()
         progress = self.receiver.step(now)
-        if sched.delivered_to is not None:
-            sched.answer_delivered()
+        # (the steps' cheapest questions are asked here, inline: these are
+        # calls on every pass of a spinning daemon)
+        to = sched.delivered_to
+        if to is not None and sched.answer_early(to):
+            to = sched.delivered_to = None
         if self._link_step(now):
             progress = True
-        if sched.delivered_to is not None:
-            sched.answer_delivered()
+        if to is not None and sched.answer_early(to):
+            to = sched.delivered_to = None
         if (sched.delivered or sched.to_complete) and sched.complete():
             progress = True
-            self._yield_to_applications()
+            if self.yield_on_delivery:
+                # Something an application waits for (placed data, a CQE) is
+                # now in its memory.  On a shared CPU it may be the task
+                # waiting behind us: let it run now, not after this pass's
+                # sends.  It often posts its answer at once, which the pump
+                # then finds, and whose datagram carries our ACK.
+                self.stats["delivery_yields"] += 1
+                os.sched_yield()
         answerer, sched.delivered_to = sched.delivered_to, None
         if sched.pump_all(self.links):
             progress = True
@@ -323,11 +335,13 @@ class Device:
         udp = self.udp
         if udp.sent:
             udp.sent = False
-            if self.yield_on_delivery:
+            lane = self.lane
+            arm_link = self.receiver.arm_link
+            if self.yield_on_delivery and lane is not None and lane.armed is None and arm_link is not None:
                 # Our application may share our CPU: it waits for the peer's
                 # answer to what we just sent, so the rest of our pass delays
                 # nobody.  Arm now (see DataLoop._spin otherwise).
-                self.arm_for_answer()
+                lane.arm(arm_link, self.links, self.arm_limit)
         if self.check_passes:
             sched.check()
         return progress
@@ -361,16 +375,6 @@ class Device:
                     to_complete[waiters.popleft()[1]] = None
         return progress
 
-    def _yield_to_applications(self) -> None:
-        """Something an application waits for (placed data, a CQE) is now in
-        its memory.  On a shared CPU the application may be the task waiting
-        behind us: let it run now, not after this pass's sends.  It often
-        posts its answer at once, which the pump then finds, and whose
-        datagram carries our ACK."""
-        if self.yield_on_delivery:
-            self.stats["delivery_yields"] += 1
-            os.sched_yield()
-
     def flush_links(self) -> bool:
         """Send what every link lets leave now; True if anything was sent."""
         progress = False
@@ -383,13 +387,13 @@ class Device:
         """Set the compiled receive lane up for what ``pl`` expects next
         (``ReceiveLane.arm``): the next pass reads the socket through it."""
         if self.lane is not None:
-            self.lane.arm(pl, self.links, self.config.rx_dispatch_budget or WHOLE_MAX)
+            self.lane.arm(pl, self.links, self.arm_limit)
 
     def arm_for_answer(self) -> None:
         """Arm the receive lane for what the link that last received expects next (if not armed)."""
         lane = self.lane
         if lane is not None and lane.armed is None and self.receiver.arm_link is not None:
-            lane.arm(self.receiver.arm_link, self.links, self.config.rx_dispatch_budget or WHOLE_MAX)
+            lane.arm(self.receiver.arm_link, self.links, self.arm_limit)
 
     def handed_over(self, pl: PeerLink) -> None:
         """Right after ``pl``'s datagram left alone, before this pass records
@@ -397,7 +401,7 @@ class Device:
         our CPU run for a moment (``loop.hand_over``)."""
         lane = self.lane
         if lane is not None and lane.armed is None:
-            lane.arm(pl, self.links, self.config.rx_dispatch_budget or WHOLE_MAX)
+            lane.arm(pl, self.links, self.arm_limit)
         if self.hand_over_s:
             hand_over(self.policy, self.hand_over_s, self.udp.readable, self.stats)
 

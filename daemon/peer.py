@@ -175,10 +175,15 @@ class PeerLink:
         host = self.host
         udp = host.udp
         link = self.link
-        out = (link.bursts_to_send if udp.gso else link.datagrams_to_send)(host.now, host.clock)
+        gso = udp.gso
+        out = (link.bursts_to_send if gso else link.datagrams_to_send)(host.now, host.clock)
         if not out or udp.sock is None:
             return False
-        udp.send_out(out, self.addr)
+        if gso and (len(out) > 1 or type(out[0]) is Burst):
+            udp.send_segmented(out, self.addr)
+        else:
+            udp.send_each(out, self.addr)
+        udp.sent = True
         return True
 
     def send_request(self, message: bytearray) -> None:

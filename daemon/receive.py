@@ -109,18 +109,6 @@ class Receiver:
             return False
         touched = self.touched  # the armed read's link, if it read
         self.touched = set()
-        self._read_socket(now, got, touched)
-        if not touched:
-            return False
-        for pl in touched:
-            for msg in pl.link.drain_received():
-                self.dispatch(pl, msg)
-        return True
-
-    def _read_socket(self, now: float, got: int, touched: set[PeerLink]) -> None:
-        """Read buffers from the socket within the pass's budgets, each fed
-        to its link (after an armed read, ``got`` 1: ask first)."""
-        udp = self.udp
         # now - realtime: converts a kernel stamp to our clock (computed per
         # pass, so a step of the wall clock corrupts one pass at most)
         rt_to_now = now - time.time()
@@ -129,7 +117,7 @@ class Receiver:
         budget = RX_BUDGET if got == _RX_READY else 0 if self.rest is not None else RX_BUDGET - 1
         byte_budget = RX_BYTE_BUDGET
         while budget > 0 and byte_budget > 0:
-            if budget < RX_BUDGET and not udp.readable():
+            if budget < RX_BUDGET and rx is not None and not rx.poll(0):
                 break  # drained: asking is far cheaper than a recvmsg that fails
             budget -= 1
             buffer = udp.receive(now, rt_to_now)
@@ -144,6 +132,12 @@ class Receiver:
             self.received(addr, data, seg, now, arrived, touched)
             if self.rest is not None:
                 break  # the rest of that buffer first, next pass
+        if not touched:
+            return False
+        for pl in touched:
+            for msg in pl.link.drain_received():
+                self.dispatch(pl, msg)
+        return True
 
     def received(self, addr: tuple[str, int], data: bytes, seg: int, now: float, arrived: float,
                  touched: set[PeerLink]) -> None:
@@ -178,7 +172,7 @@ class Receiver:
         pl, setup, mem, rcv_nxt, version = lane.armed  # type: ignore[union-attr,misc]
         link = pl.link
         # (a link leaves the table only when it ends: its state covers that)
-        if setup.qp.state not in RECEIVING or link.rcv_nxt != rcv_nxt or link.state != _LINK_ESTABLISHED \
+        if setup.qp.state not in RECEIVING or link.receiver.rcv_nxt != rcv_nxt or link.state != _LINK_ESTABLISHED \
                 or lane.stags.version != version:
             lane.armed = None
             self.stats["rx_armed_stale"] += 1
@@ -209,14 +203,8 @@ class Receiver:
             return 1
         self.touched.add(pl)
         self.arm_link = pl
-        self._armed_taken(pl, setup, k, n, seg, now, arrived)
-        return 1
-
-    def _armed_taken(self, pl: PeerLink, setup: Any, k: int, n: int, seg: int, now: float, arrived: float) -> None:
-        """The armed read took ``n`` bytes from ``pl``'s peer, the lane ``k``
-        datagrams of them: account for those, then the rest as ``receive``
-        goes on after a lane call."""
-        lane = self.lane
+        # From the armed peer: account for what the lane took, then the rest
+        # as ``receive`` goes on after a lane call.
         data = None
         if k == 0 or k * seg < n or setup.request is not None:
             # the Python path, or a request's answer, reads the datagrams:
@@ -234,6 +222,7 @@ class Receiver:
             # the requests the lane took count against the pass's budget
             spent = k if k and setup.op in ANSWERED_BY_DAEMON else 0
             self.receive(pl, data, seg, now, arrived, used, spent)  # type: ignore[arg-type]
+        return 1
 
     def receive_rest(self, now: float) -> None:
         """Go on with the buffer an earlier pass left (``rest``), within the budget again."""

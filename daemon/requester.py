@@ -56,6 +56,7 @@ from .opcodes import (
     SUPPORTED_WR,
     U32,
     U64,
+    WC_RDMA_WRITE,
     WC_SEND,
     WC_SUCCESS,
     WR_READ,
@@ -184,8 +185,17 @@ class Requester:
         status, gather, msg, send_op, inv_stag = self._take_payload(buf, at, opcode, flags, num_sge, imm, rkey,
                                                                     raddr, inline_len, reads_remote)
         if msg is not None:
+            # A one-segment RDMA Write or Send: queued (or sent) now, with no
+            # gather list or message under way for the pump to come back to,
+            # and before the WR's bookkeeping, which the peer does not wait for.
             n = gather.total if gather is not None else inline_len
-            return self._start_one_segment(msg, wr_id, opcode, signaled, n, rkey, raddr, gather, send_op, inv_stag)
+            if opcode != WR_WRITE:
+                return self._start_one_send(msg, wr_id, signaled, n, rkey, raddr, gather, send_op, inv_stag)
+            num = self.send_or_queue(msg, taking=1)
+            wr = OutWR(wr_id, WC_RDMA_WRITE, signaled, n)
+            self._taken(wr, rkey, raddr)
+            self._write_queued(wr, num)  # type: ignore[arg-type]
+            return 1
         wr = OutWR(wr_id, wc_opcode(opcode), signaled, 0 if gather is None else gather.total)
         if reads_remote and status == WC_SUCCESS and gather is not None:
             # A Read or atomic request leaves before the WR's bookkeeping
@@ -252,18 +262,11 @@ class Requester:
             return WC_SUCCESS, gather, msg, send_op, inv_stag
         return WC_SUCCESS, gather, None, 0, 0
 
-    def _start_one_segment(self, msg: bytearray, wr_id: int, opcode: int, signaled: bool, n: int, rkey: int,
-                           raddr: int, gather: Gather | None, send_op: int, inv_stag: int) -> int:
-        """A one-segment RDMA Write or Send (``msg``, ``n`` payload bytes):
-        queued (or sent) now, with no gather list or message under way for
-        the pump to come back to, and before the WR's bookkeeping, which
-        the peer does not wait for.  Returns 1 (messages queued)."""
-        if opcode == WR_WRITE:
-            num = self.send_or_queue(msg, taking=1)
-            wr = OutWR(wr_id, wc_opcode(opcode), signaled, n)
-            self._taken(wr, rkey, raddr)
-            self._write_queued(wr, num)  # type: ignore[arg-type]
-            return 1
+    def _start_one_send(self, msg: bytearray, wr_id: int, signaled: bool, n: int, rkey: int, raddr: int,
+                        gather: Gather | None, send_op: int, inv_stag: int) -> int:
+        """A one-segment Send (``msg``, ``n`` payload bytes): queued (or
+        sent) now, as ``start_next`` does a one-segment Write.  Returns 1
+        (messages queued)."""
         # A Send completes on the peer's Modified ACK, which carries the
         # link's ACK too: the link need not ask for one at once.
         self.send_or_queue(msg, ack_now=False, taking=1)

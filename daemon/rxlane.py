@@ -280,7 +280,7 @@ class ReceiveLane:
             ffi.release(held)
         rx = self.recv
         rx.peer_addr, rx.peer_port = pl.rx_addr, pl.rx_port
-        self.armed = (pl, setup, mem, pl.link.rcv_nxt, self.stags.version)
+        self.armed = (pl, setup, mem, pl.link.receiver.rcv_nxt, self.stags.version)
 
     # -- placing ----------------------------------------------------------------------
     def place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float,
@@ -324,43 +324,51 @@ class ReceiveLane:
         ``setup`` set: complete, answer and account for them; return the
         bytes consumed (``data`` is read only for requests, Atomic
         Responses and what follows the run: None when there is none)."""
-        if not k:
-            return self._after_run(pl, data, off, end, seg, now, arrived, 0)
-        qp, op, _, _, recv, rd, request, msn = setup
-        r = self.run
-        sched = self.sched
-        # What an application waits on first, the link's accounting of the
-        # run (and of the ACK it carries) after: a Send's receive and its
-        # CQE, a Read's or an atomic's CQE (a Write's data is in place
-        # already).  ``Link.data_run_received`` reads nothing these change.
-        sends = op not in TAGGED_LANE and request is None
-        if sends:
-            qp.sends_placed(op, recv, r.bytes, r.ended)
-            if r.ended:
-                self.stats["rx_native_sends"] += 1
-                sched.qp_changed(qp)  # a Modified ACK is owed
-        elif op == OP_READ_RESPONSE:
-            qp.read_response_placed(rd, r.bytes, r.ended)
-            if r.ended:
-                self.stats["rx_native_reads"] += 1
-                sched.qp_changed(qp)  # the Read completes
+        if k:
+            qp, op, _, _, recv, rd, request, msn = setup
+            r = self.run
+            sched = self.sched
+            # What an application waits on first, the link's accounting of
+            # the run (and of the ACK it carries) after: a Send's receive and
+            # its CQE, a Read's or an atomic's CQE (a Write's data is in
+            # place already).  ``Link.data_run_received`` reads nothing these
+            # change.
+            sends = op not in TAGGED_LANE and request is None
+            if sends:
+                qp.sends_placed(op, recv, r.bytes, r.ended)
+                if r.ended:
+                    self.stats["rx_native_sends"] += 1
+                    sched.qp_changed(qp)  # a Modified ACK is owed
+            elif op == OP_READ_RESPONSE:
+                qp.read_response_placed(rd, r.bytes, r.ended)
+                if r.ended:
+                    self.stats["rx_native_reads"] += 1
+                    sched.qp_changed(qp)  # the Read completes
+                    sched.complete_done(qp)
+            elif op == OP_ATOMIC_RESPONSE:
+                self.take_whole(qp, op, msn, data, off, seg, k)  # type: ignore[arg-type]
                 sched.complete_done(qp)
-        elif op == OP_ATOMIC_RESPONSE:
-            self.take_whole(qp, op, msn, data, off, seg, k)  # type: ignore[arg-type]
-            sched.complete_done(qp)
-        pl.link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
-                                  r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
-        if sends:
-            if r.flow_ack:
-                qp.on_flow_ack(r.flow_ack_msn)
-        elif op == OP_WRITE:
-            qp.writes_placed(r.bytes)
-        elif request is not None:
-            return self._whole_taken(qp, op, msn, data, off, end, seg, k)  # type: ignore[arg-type]
-        sched.delivered = True
-        sched.delivered_to = qp
-        self.stats["rx_native_datagrams"] += k
-        return self._after_run(pl, data, off, end, seg, now, arrived, k * seg)
+            pl.link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
+                                      r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
+            if sends:
+                if r.flow_ack:
+                    qp.on_flow_ack(r.flow_ack_msn)
+            elif op == OP_WRITE:
+                qp.writes_placed(r.bytes)
+            elif request is not None:
+                return self._whole_taken(qp, op, msn, data, off, end, seg, k)  # type: ignore[arg-type]
+            sched.delivered = True
+            sched.delivered_to = qp
+            self.stats["rx_native_datagrams"] += k
+        used = k * seg
+        if used >= end - off:
+            return end - off
+        if self.run.peeked and self._write_rehint(pl):
+            # The next message is another QP's or region's Write (Writes
+            # over many QPs interleave): the lane takes it too, instead of
+            # the Python path taking its first segment to set the hint.
+            return used + self.place_run(pl, data, off + used, seg, now, arrived)  # type: ignore[arg-type]
+        return used
 
     def _whole_taken(self, qp: Any, op: int, msn: int, data: bytes, off: int, end: int, seg: int, k: int) -> int:
         """``run_taken`` for ``k`` whole requests or Atomic Responses; returns the bytes consumed."""
@@ -382,19 +390,6 @@ class ReceiveLane:
         sched.qp_changed(qp)  # the answers go, or the WRs complete, this pass
         self.stats["rx_native_datagrams"] += k
         return at - off
-
-    def _after_run(self, pl: PeerLink, data: bytes | None, off: int, end: int, seg: int, now: float,
-                   arrived: float, used: int) -> int:
-        """The bytes a run of ``used`` consumed, with the next message's
-        run when that is another Write the lane can take at once."""
-        if used >= end - off:
-            return end - off
-        if self.run.peeked and self._write_rehint(pl):
-            # The next message is another QP's or region's Write (Writes
-            # over many QPs interleave): the lane takes it too, instead of
-            # the Python path taking its first segment to set the hint.
-            return used + self.place_run(pl, data, off + used, seg, now, arrived)  # type: ignore[arg-type]
-        return used
 
     def take_whole(self, qp: Any, op: int, msn: int, data: bytes, off: int, seg: int, k: int) -> int:
         """Take the ``k`` whole requests or Atomic Responses the lane took

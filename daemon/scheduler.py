@@ -263,11 +263,6 @@ class QPScheduler:
             self.settle(qp)
         return True
 
-    def answer_delivered(self) -> None:
-        """``answer_early`` for the QP this pass delivered to, if any and not yet answered."""
-        if self.delivered_to is not None and self.answer_early(self.delivered_to):
-            self.delivered_to = None
-
     # -- the pass's QP steps ---------------------------------------------------------
     def complete(self) -> bool:
         """Retire the WRs the link acknowledged or responses completed, on
@@ -311,29 +306,25 @@ class QPScheduler:
                     progress = True
                 self.settle(qp)
         for pl in list(links.values()):
-            if pl.ready and self._take_turns(pl):
-                progress = True
-        return progress
-
-    def _take_turns(self, pl: Any) -> bool:
-        """The turns of the QPs on ``pl``'s ready line while its link takes more."""
-        progress = False
-        link = pl.link
-        ready = pl.ready
-        for qp in list(ready):
-            if not link.send_space():
-                break  # the rest wait their turn, in order
-            # A turn: the Write under way, if any, is finished and nothing
-            # new is taken; else new WQEs are taken and the last one taken
-            # is finished on the next passes.  So each Write's segments
-            # leave in one run (the peer's compiled lane places a run per
-            # QP) and no QP holds the link for more.
-            if self.pump(qp, start=qp.sending is None):
-                progress = True
-            if qp.sending is not None and qp.state != ERR:
-                continue  # keeps its turn
-            del ready[qp]
-            self.settle(qp)  # back at the end of the line if it has more
+            ready = pl.ready
+            if not ready:
+                continue
+            # Turns of the QPs on the link's ready line while the link takes more.
+            link = pl.link
+            for qp in list(ready):
+                if not link.send_space():
+                    break  # the rest wait their turn, in order
+                # A turn: the Write under way, if any, is finished and nothing
+                # new is taken; else new WQEs are taken and the last one taken
+                # is finished on the next passes.  So each Write's segments
+                # leave in one run (the peer's compiled lane places a run per
+                # QP) and no QP holds the link for more.
+                if self.pump(qp, start=qp.sending is None):
+                    progress = True
+                if qp.sending is not None and qp.state != ERR:
+                    continue  # keeps its turn
+                del ready[qp]
+                self.settle(qp)  # back at the end of the line if it has more
         return progress
 
     def prefetch_receives(self) -> None:

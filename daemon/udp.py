@@ -200,14 +200,6 @@ class UdpPort:
             self.stats["tx_oserror"] += 1
         self.sent = True
 
-    def send_out(self, out: list[Any], addr: tuple[str, int]) -> None:
-        """Send what a link released (datagrams and :class:`Burst`s) to ``addr``."""
-        if self.gso and (len(out) > 1 or type(out[0]) is Burst):
-            self.send_segmented(out, addr)
-        else:
-            self.send_each(out, addr)
-        self.sent = True
-
     def send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
         """One ``sendto`` per datagram."""
         assert self.sock is not None
