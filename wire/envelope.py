@@ -75,8 +75,10 @@ class Flags(enum.IntFlag):
     FLOW_ACK = 0x02  #: a Modified ACK's MSN ends the message (FLOW_ACK_TRAILER)
 
 
-_FLAGS_KNOWN = int(Flags.IMM_FOLLOWS | Flags.FLOW_ACK)
-_FLOW_ACK = int(Flags.FLOW_ACK)
+#: every envelope flag this version knows (others are refused)
+FLAGS_KNOWN = int(Flags.IMM_FOLLOWS | Flags.FLOW_ACK)
+#: Flags.FLOW_ACK as a plain int (IntFlag operators are slow on the per-segment path)
+FLOW_ACK_FLAG = int(Flags.FLOW_ACK)
 #: bytes of the trailer a FLOW_ACK message ends with
 FLOW_ACK_LEN = 4
 
@@ -87,7 +89,7 @@ ENVELOPE = c.Struct(
     "dst_qpn" / c.Int24ub,
     "flags" / c.Int8ub,
     # this-expressions, not a lambda, so the declaration still compiles (wirecost).
-    c.Check(((c.this.flags & (0xFF ^ _FLAGS_KNOWN)) == 0) & ((c.this.flags == 0) | (c.this.kind == int(Kind.DDP)))),
+    c.Check(((c.this.flags & (0xFF ^ FLAGS_KNOWN)) == 0) & ((c.this.flags == 0) | (c.this.kind == int(Kind.DDP)))),
     "src_qpn" / c.Int24ub,
 )
 
@@ -117,7 +119,7 @@ def pack_into(buf: bytearray | memoryview, offset: int, kind: int, dst_qpn: int,
         ValueError: an unknown kind or flag, or a QPN out of range (a caller bug).
     """
     if not 1 <= kind <= _KIND_MAX or not 0 <= dst_qpn <= MAX_QPN or not 0 <= src_qpn <= MAX_QPN \
-            or flags & ~_FLAGS_KNOWN or (flags and kind != Kind.DDP):
+            or flags & ~FLAGS_KNOWN or (flags and kind != Kind.DDP):
         raise ValueError(f"envelope out of range: kind={kind} dst={dst_qpn} src={src_qpn} flags={flags}")
     _ENV.pack_into(buf, offset, (kind << 24) | dst_qpn, (flags << 24) | src_qpn)
     return ENVELOPE_LEN
@@ -132,8 +134,8 @@ def encode(kind: int, dst_qpn: int, src_qpn: int, body: bytes | bytearray | memo
         ValueError: a field is out of range, or FLOW_ACK in ``flags`` without an MSN.
     """
     if flow_ack is not None:
-        flags |= _FLOW_ACK
-    elif flags & _FLOW_ACK:
+        flags |= FLOW_ACK_FLAG
+    elif flags & FLOW_ACK_FLAG:
         raise ValueError("FLOW_ACK needs the MSN of its trailer")
     n = ENVELOPE_LEN + len(body)
     buf = bytearray(n + (FLOW_ACK_LEN if flow_ack is not None else 0))
@@ -183,9 +185,9 @@ def decode_untrusted(data: bytes | bytearray | memoryview) -> tuple[Envelope, me
     flags = w1 >> 24
     end = len(data)
     if flags:
-        if flags & ~_FLAGS_KNOWN or kind != Kind.DDP:
+        if flags & ~FLAGS_KNOWN or kind != Kind.DDP:
             raise WireError("bad_reserved", "envelope flags")
-        if flags & _FLOW_ACK:
+        if flags & FLOW_ACK_FLAG:
             end -= FLOW_ACK_LEN
             if end < ENVELOPE_LEN:
                 raise WireError("truncated", f"{len(data)} bytes, FLOW_ACK needs {ENVELOPE_LEN + FLOW_ACK_LEN}")

@@ -45,7 +45,7 @@ the two headers Python packed (``wire/segment.py``), stamping each
 segment's offset, each body where its link packet will be
 (``transport.link.run_slots``); ``Link.send_run`` queues them and
 ``udpv_tx_frame_slots`` writes link headers and CRCs around those the link
-lets leave (``Link._frame_run``), so the buffer goes to the socket as it
+lets leave (``Builder.bursts_to_send``), so the buffer goes to the socket as it
 is and the payload is copied once.  Both produce exactly the bytes of the Python
 encoders (``tests/wire/test_native.py``), and a device with the lanes sends
 what a device without them sends (``tests/daemon/test_native_send_lane.py``).

@@ -225,7 +225,8 @@ _TAGGED = ddp.TAGGED
 _UNTAGGED = ddp.UNTAGGED
 _TAGGED_LEN = ddp.TAGGED_HEADER_LEN
 _UNTAGGED_LEN = ddp.UNTAGGED_HEADER_LEN
-_REASONS = ("", "bad_dv", "bad_reserved", "bad_rv", "bad_opcode", "bad_tagged")
+#: the WireError reasons of a bad control pair, by the negative index CONTROL_CLASS gives
+DECODE_REASONS = ("", "bad_dv", "bad_reserved", "bad_rv", "bad_opcode", "bad_tagged")
 
 
 def _classify(ctrl: int, rctl: int) -> int:
@@ -246,9 +247,9 @@ def _classify(ctrl: int, rctl: int) -> int:
     return op
 
 
-#: (DDP control << 8 | RDMAP control) -> opcode, or -index into _REASONS.
+#: (DDP control << 8 | RDMAP control) -> opcode, or -index into DECODE_REASONS.
 #: One lookup checks DV, both reserved fields, RV, the opcode and T.
-_CLASSIFY = tuple(_classify(i >> 8, i & 0xFF) for i in range(1 << 16))
+CONTROL_CLASS = tuple(_classify(i >> 8, i & 0xFF) for i in range(1 << 16))
 #: queue number by opcode (-1 for tagged opcodes)
 _QN = tuple(OPCODE_QN.get(op, -1) for op in range(16))
 #: exact payload length of single-segment messages by opcode; -1 none, 0 Terminate
@@ -280,16 +281,16 @@ def decode_untrusted(
         raise WireError("truncated", f"{n} bytes of DDP segment")
     if buf[offset] & 0x80:
         ctrl, rctl, stag, to = _TAGGED.unpack_from(buf, offset)
-        op = _CLASSIFY[(ctrl << 8) | rctl]
+        op = CONTROL_CLASS[(ctrl << 8) | rctl]
         if op < 0:
-            raise WireError(_REASONS[-op])
+            raise WireError(DECODE_REASONS[-op])
         return _TN(TaggedHeader, (op, ctrl & 0x40 != 0, stag, to)), memoryview(buf)[offset + _TAGGED_LEN :]
     if n < _UNTAGGED_LEN:
         raise WireError("truncated", f"{n} bytes of untagged DDP segment")
     ctrl, rctl, word, qn, msn, mo = _UNTAGGED.unpack_from(buf, offset)
-    op = _CLASSIFY[(ctrl << 8) | rctl]
+    op = CONTROL_CLASS[(ctrl << 8) | rctl]
     if op < 0:
-        raise WireError(_REASONS[-op])
+        raise WireError(DECODE_REASONS[-op])
     if qn != _QN[op]:
         raise WireError("bad_qn", f"QN {qn} for opcode {op}")
     if word and not _INVALIDATES[op]:

@@ -41,10 +41,10 @@ _DDP = int(Kind.DDP)
 #: the first envelope word of a DDP segment, without its destination QPN
 DDP_WORD = _DDP << 24
 _TN = tuple.__new__  # see rdmap._TN
-_CLASSIFY = rdmap._CLASSIFY
-_FLAGS_KNOWN = envelope._FLAGS_KNOWN
-_FLOW_ACK = envelope._FLOW_ACK
-_REASONS = rdmap._REASONS
+_CLASSIFY = rdmap.CONTROL_CLASS
+_FLAGS_KNOWN = envelope.FLAGS_KNOWN
+_FLOW_ACK = envelope.FLOW_ACK_FLAG
+_REASONS = rdmap.DECODE_REASONS
 
 
 def decode_untrusted(

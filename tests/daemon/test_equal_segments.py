@@ -5,7 +5,7 @@ segments and a shorter last one.  A UDP_SEGMENT sendmsg can only end with
 a shorter datagram, so every such message took a system call (and a GRO
 batch at the receiver) of its own.  Cut evenly (``equal_segment_size``),
 consecutive messages of one size are datagrams of one size, and the
-device joins them in one sendmsg (``Device._send_segmented``).  Two real
+device joins them in one sendmsg (``UdpPort.send_segmented``).  Two real
 devices in one process on loopback, loops turned by hand
 (``test_batching``'s hosts); what leaves is recorded at the socket.
 """

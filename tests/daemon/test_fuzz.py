@@ -3,7 +3,7 @@
 A real ``Device`` with a real client ``Session`` (over a socketpair), a PD,
 two MRs and a QP in RTS towards a peer link; then thousands of messages with
 a valid envelope and random or mutated DDP/RDMAP headers go through
-``Device._dispatch``, exactly where the data loop hands them in.
+``Receiver.dispatch``, exactly where the data loop hands them in.
 """
 
 from __future__ import annotations

@@ -594,7 +594,7 @@ async def test_a_receive_resolved_ahead_still_follows_the_stag_table(ahead: bool
 @pytest.mark.parametrize("side", ["receive", "send"])
 async def test_the_same_sge_posted_once_its_region_is_gone_fails(side: str) -> None:
     # Applications post the same buffer over and over, and the daemon keeps
-    # the last one-SGE list of a WQE it resolved (``QueuePair._resolve``):
+    # the last one-SGE list of a WQE it resolved (``Requester.resolve``):
     # only while the STag table stands still.  Once the region is
     # invalidated (as deregistration starts), the same SGE posted again
     # fails, on either side, and nothing lands in, or leaves from, the old

@@ -3,7 +3,7 @@
 A pass does not walk every QP: idle QPs are looked at only for new WQEs,
 QPs with data to send wait on their link's ready line and take turns while
 the link has room, and a QP is visited for completions only when a message
-or an ACK concerns it (``Device`` in daemon/device.py).  The suite as a
+or an ACK concerns it (``QPScheduler`` in daemon/scheduler.py).  The suite as a
 whole runs with ``UDPVERBS_CHECK_PASSES`` (tests/conftest.py), which checks
 after every pass that no QP was left with work where no pass would find it;
 these tests pin the cost and the order.

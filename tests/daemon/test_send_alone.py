@@ -60,7 +60,7 @@ async def test_messages_posted_together_leave_together() -> None:
 
 
 async def test_inline_writes_of_every_size_arrive_and_complete() -> None:
-    # An inline Write's segment is built straight from the WQE (``QueuePair._start_next``):
+    # An inline Write's segment is built straight from the WQE (``Requester.start_next``):
     # each size up to the QP's max_inline_data, alone or among other WQEs,
     # lands byte-exact and completes in order; one byte more is a local
     # length error, as before.
@@ -112,7 +112,7 @@ async def test_a_lone_request_is_answered_before_the_rest_of_the_pass(opcode: Wr
 
 
 async def test_one_segment_writes_from_sges_arrive_and_complete() -> None:
-    # A Write that fits one segment is built in _start_next from its SGEs
+    # A Write that fits one segment is built in start_next from its SGEs
     # too; one byte more takes the segmenting path.  Both land byte-exact.
     async with connected() as (a, b):
         a.mr.view[:8192] = bytes(range(256)) * 32
@@ -205,7 +205,7 @@ async def _a_write_b_answers_mid_pass(a: Host, b: Host, wr_id: int, late: bool =
 async def test_an_answer_posted_while_the_pass_goes_on_leaves_before_the_upkeep() -> None:
     # write_lat's server: the application sees the data and posts its answer
     # while the daemon's pass is still accounting for the Write it placed.
-    # The pass looks for it between its steps (``Device._answer_early``), so
+    # The pass looks for it between its steps (``QPScheduler.answer_early``), so
     # the answer leaves before the links' timers and completions are done;
     # and once more at its end, for an answer posted after its SQ watch.
     async with connected() as (a, b):

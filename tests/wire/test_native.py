@@ -471,7 +471,7 @@ def _check_send_lane(opcode: int, k: int, max_data: int, last_len: int, ends: bo
         else:
             segment.pack_untagged_into(buf, 0, dst, src, opcode, last, msn, off, inv, flags if last else 0)
 
-    # the Python path: one segment at a time (daemon/qp.py), then link.encode_fields per packet
+    # the Python path: one segment at a time (daemon/requester.py), then link.encode_fields per packet
     expected = []
     for i in range(k):
         n = max_data if i < k - 1 else last_len
