@@ -335,13 +335,11 @@ class Device:
         udp = self.udp
         if udp.sent:
             udp.sent = False
-            lane = self.lane
-            arm_link = self.receiver.arm_link
-            if self.yield_on_delivery and lane is not None and lane.armed is None and arm_link is not None:
+            if self.yield_on_delivery:
                 # Our application may share our CPU: it waits for the peer's
                 # answer to what we just sent, so the rest of our pass delays
                 # nobody.  Arm now (see DataLoop._spin otherwise).
-                lane.arm(arm_link, self.links, self.arm_limit)
+                self.arm_for_answer()
         if self.check_passes:
             sched.check()
         return progress
@@ -382,12 +380,6 @@ class Device:
             if pl.flush():
                 progress = True
         return progress
-
-    def arm_lane(self, pl: PeerLink) -> None:
-        """Set the compiled receive lane up for what ``pl`` expects next
-        (``ReceiveLane.arm``): the next pass reads the socket through it."""
-        if self.lane is not None:
-            self.lane.arm(pl, self.links, self.arm_limit)
 
     def arm_for_answer(self) -> None:
         """Arm the receive lane for what the link that last received expects next (if not armed)."""

@@ -34,19 +34,17 @@ from __future__ import annotations
 
 import collections
 import socket
-import struct
 from typing import Any
 
 from ..transport.link import Burst, Link, LinkState, run_slots
 from ..wire import envelope, segment
 from ..wire import link as wire_link
 from .ports import PeerHost
-from .udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS
+from .udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, NATIVE_U32
 
 #: datagrams a stream's Write or Read Response may take beyond the fewest,
 #: to make them equal (a Send's may take none: equal_segment_size)
 EQUAL_EXTRA = 2
-_NATIVE_U32 = struct.Struct("=I")
 
 
 def equal_segment_size(total: int, max_data: int, overhead: int, extra: int = EQUAL_EXTRA) -> int:
@@ -112,7 +110,7 @@ class PeerLink:
         self.rx_hint: tuple[Any, int, int] | None = None
         # the peer as the compiled read compares a datagram's source (rxlane.py)
         try:
-            self.rx_addr: int = _NATIVE_U32.unpack(socket.inet_aton(addr[0]))[0]
+            self.rx_addr: int = NATIVE_U32.unpack(socket.inet_aton(addr[0]))[0]
         except OSError:
             self.rx_addr = 0
         self.rx_port: int = socket.htons(addr[1])

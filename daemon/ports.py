@@ -10,7 +10,7 @@ engine's modules sit below the device in the import order
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from . import tables
 
@@ -58,7 +58,3 @@ class PeerHost(Protocol):
     def handed_over(self, pl: Any) -> None:
         """A datagram of ``pl``'s left alone, before the link recorded it:
         arm for its answer and let the processes sharing our CPU run."""
-
-
-#: a clock: seconds, monotonic
-Clock = Callable[[], float]

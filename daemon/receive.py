@@ -35,7 +35,6 @@ import collections
 import errno
 import logging
 import socket
-import struct
 import time
 from typing import Any, Callable
 
@@ -47,7 +46,7 @@ from .opcodes import ANSWERED_BY_DAEMON, FLOW_ACK, OP_ATOMIC_RESPONSE, OP_READ_R
 from .peer import PeerLink
 from .rxlane import SEND_CTRL, SEND_ENDS_IN_LANE, WHOLE_MAX, ReceiveLane
 from .scheduler import QPScheduler
-from .udp import RX_BUF, UdpPort, arrival
+from .udp import NATIVE_U32, RX_BUF, UdpPort, arrival
 
 log = logging.getLogger("udpverbs.daemon")
 
@@ -63,7 +62,6 @@ RX_BYTE_BUDGET = 1 << 20
 #: read_armed: the arming no longer held, and the socket has something to read
 _RX_READY = 2
 _LINK_ESTABLISHED = LinkState.ESTABLISHED
-_NATIVE_U32 = struct.Struct("=I")
 
 
 class Receiver:
@@ -198,7 +196,7 @@ class Receiver:
         if seg < n:
             self.stats["rx_gro_batches"] += 1
         if not rx.from_peer:
-            addr = (socket.inet_ntoa(_NATIVE_U32.pack(rx.src_addr)), socket.ntohs(rx.src_port))
+            addr = (socket.inet_ntoa(NATIVE_U32.pack(rx.src_addr)), socket.ntohs(rx.src_port))
             self.received(addr, lane.ffi.buffer(lane.buf, n)[:], seg, now, arrived, self.touched)
             return 1
         self.touched.add(pl)

@@ -152,13 +152,14 @@ class ReceiveLane:
         (``run_taken``), or None (the hint dropped, unless ``drop`` is
         False, or the link takes nothing in a run now).  ``limit``: the most
         whole requests one call may take."""
-        qp, stag, op = pl.rx_hint  # type: ignore[misc]
+        hint = pl.rx_hint
+        qp, stag, op = hint  # type: ignore[misc]
         if qp.state not in RECEIVING or qp.link is not pl or self.qps.get(qp.qpn) is not qp:
             return _no_run(pl, drop)
         if op == OP_WRITE:
-            found = self._set_write(qp, stag, pl.rx_hint)
+            found = self._set_write(qp, stag, hint)
         elif op in SEND_CTRL:
-            found = self._set_send(qp, stag, op, pl.rx_hint)
+            found = self._set_send(qp, stag, op, hint)
         else:
             self.run_key = None
             request = REQUEST_LANE.get(op)

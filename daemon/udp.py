@@ -54,6 +54,8 @@ _GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
 RX_BUF = 1 << 16
 #: socket buffer sizes asked for (the kernel may grant less)
 SOCKET_BUFFER_BYTES = 4 << 20
+#: an IPv4 address or a port as the compiled armed read holds them (host byte order words)
+NATIVE_U32 = struct.Struct("=I")
 #: what :meth:`UdpPort.receive` answers for a buffer with nothing to take
 #: (an error, or truncated): its length, counted against the pass's budget
 _NOTHING = b""

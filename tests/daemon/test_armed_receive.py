@@ -1,7 +1,7 @@
 """The armed receive: the lane set up before its datagram comes.
 
 A device arms the compiled lane for the run its link's hint expects next
-(``Device.arm_lane``) while it waits, and the next pass reads the socket and
+(``ReceiveLane.arm``) while it waits, and the next pass reads the socket and
 places the data in one compiled call (``Receiver.read_armed``).  It must
 place exactly what the Python path would, take anything else the usual
 way, and never use a set-up that the tables moved under: a region gone or
@@ -22,6 +22,11 @@ from udpverbs.wire.shm import QPAttrMask as M, QPState as S, WcStatus as W, WrOp
 
 from udpverbs.bench.inprocess import Host, complete, connected
 
+
+def arm(h: Host) -> None:
+    """Arm ``h``'s receive lane for what its QP 1's link expects next, as the data loop does."""
+    h.dev.lane.arm(h.qp.link, h.dev.links, h.dev.arm_limit)
+
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
 
@@ -31,7 +36,7 @@ def _armed(a: Host, b: Host) -> None:
     a.mr.view[:8] = b"first!!!"
     a.post_write(1, 0, 8, b, 0)
     assert complete(a, b, 1) == [(1, W.IBV_WC_SUCCESS)]
-    b.dev.arm_lane(b.qp.link)
+    arm(b)
     assert b.dev.lane.armed is not None
 
 
@@ -145,7 +150,7 @@ async def test_an_armed_send_lands_in_its_receive_and_completes_it() -> None:
             a.mr.view[i:i + 5] = b"abcde"[i:] + b"!" * i
             a.post_write(10 + i, i, 5, b, 0, opcode=WrOpcode.IBV_WR_SEND)
             if i:
-                b.dev.arm_lane(b.qp.link)
+                arm(b)
                 assert b.dev.lane.armed is not None
                 await _arrived(a, b)
             assert complete(a, b, 1) == [(10 + i, W.IBV_WC_SUCCESS)]
@@ -162,7 +167,7 @@ async def test_an_armed_read_response_completes_the_read() -> None:
             a.post_write(20 + i, 1024 + 16 * i, 16, b, 0, opcode=WrOpcode.IBV_WR_RDMA_READ)
             if i:
                 a.dev.poll_once()  # the request leaves: its Read heads the ORRQ
-                a.dev.arm_lane(a.qp.link)
+                arm(a)
                 assert a.dev.lane.armed is not None
                 b.dev.poll_once()  # B answers
                 await _wait_readable(a)
@@ -183,7 +188,7 @@ async def test_an_armed_read_of_a_batch_of_requests_keeps_the_pass_budget() -> N
             pytest.skip("this kernel has no UDP_SEGMENT / UDP_GRO")
         a.post_write(0, 1024, 8, b, 64, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
         assert complete(a, b, 1) == [(0, W.IBV_WC_SUCCESS)]  # B's hint: atomic requests
-        b.dev.arm_lane(b.qp.link)
+        arm(b)
         assert b.dev.lane.armed is not None
         for i in range(16):
             a.post_write(1 + i, 2048 + 8 * i, 8, b, 64, opcode=WrOpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, compare_add=1)
