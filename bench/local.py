@@ -25,6 +25,11 @@ placement.  With four CPUs or more each process gets one; ``--no-pin``
 leaves placement to the scheduler.  The raw-UDP baseline runs in the two
 applications, so its sides are on different CPUs too, as on two hosts.
 
+A process group's benchmarks (``udpverbs perf lock_lat|barrier_lat``,
+:mod:`udpverbs.bench.group_perf`) start M daemons the same way, on
+127.0.0.2, 127.0.0.3, ... (:func:`daemon_ip`), and learn each one's UDP port
+from its ready line.
+
 Every child reports readiness on a pipe whose write end it inherits
 (``--ready-fd N``): the parent blocks on the read end with a timeout instead
 of sleeping or retrying a connect.  Children are stopped by pid in
@@ -292,49 +297,102 @@ def check_daemon_args(args: Sequence[str]) -> list[str]:
     return args
 
 
+def daemon_ip(index: int) -> str:
+    """The loopback address of a local run's daemon ``index``: 127.0.0.2, 127.0.0.3, ... (the
+    first two are SERVER_IP and CLIENT_IP).
+
+    Raises: ValueError past 127.0.0.254.
+    """
+    if not 0 <= index <= 252:
+        raise ValueError(f"a local run has at most 253 daemons (127.0.0.2 .. 127.0.0.254), not {index + 1}")
+    return f"127.0.0.{index + 2}"
+
+
 @dataclass
 class LocalDaemons:
-    """Two udpverbs daemons, one per loopback "host", started and stopped by pid.
+    """``count`` udpverbs daemons, one per loopback "host", started and stopped by pid.
 
     Takes: the path MTU (the daemons carry ``mtu - 28`` bytes per datagram),
-    more daemon flags for both (checked by :func:`check_daemon_args`) and
-    where to pin them (None: anywhere).
-    Use as a context manager; ``server_device`` / ``client_device`` are the
-    control socket paths each side passes as ``--device``.  The sockets live
-    in a private temporary directory removed at the end.
+    more daemon flags for all of them (checked by :func:`check_daemon_args`),
+    where to pin them (``placement``, for the two of a perftest run; None:
+    anywhere), and ``count`` (default 2: a perftest run's server and client)
+    with ``daemon_cpus``, the CPUs of each of them when there are not two
+    (None, or None for one: anywhere).
+    Use as a context manager.  Daemon ``i`` listens on :func:`daemon_ip`
+    ``(i)`` (so the first two on SERVER_IP and CLIENT_IP) on a UDP port of
+    its choosing; ``devices[i]`` is its control socket path (what a side
+    passes as ``--device``; ``server_device`` / ``client_device`` are the
+    first two), ``names[i]`` its device name and, once :meth:`wait_ready`
+    has returned, ``members[i]`` its ``(ip, udp_port)``.  The sockets live
+    in a private temporary directory (``runtime_dir``) removed at the end.
     """
 
     mtu: int = 1500
     daemon_args: Sequence[str] = ()
     placement: Placement | None = None
+    count: int = 2
+    daemon_cpus: Sequence[frozenset[int] | None] | None = None
     children: list[Child] = field(default_factory=list)
-    server_device: str | None = None
-    client_device: str | None = None
+    devices: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    members: list[tuple[str, int]] = field(default_factory=list)
     runtime_dir: str | None = None
 
+    @property
+    def server_device(self) -> str | None:
+        """The first daemon's control socket (None before :meth:`start`)."""
+        return self.devices[0] if self.devices else None
+
+    @property
+    def client_device(self) -> str | None:
+        """The second daemon's control socket (None before :meth:`start`)."""
+        return self.devices[1] if len(self.devices) > 1 else None
+
+    def _name(self, i: int) -> str:
+        if self.count == 2:
+            return ("uvlocal-s", "uvlocal-c")[i]
+        return f"uvlocal-{i}"
+
+    def _cpus(self, i: int) -> frozenset[int] | None:
+        if self.daemon_cpus is not None:
+            return self.daemon_cpus[i]
+        pl = self.placement
+        if pl is None or i > 1:
+            return None
+        return pl.server_daemon if i == 0 else pl.client_daemon
+
     def start(self) -> None:
-        """Start both daemons without waiting; ``*_device`` are known at once.
+        """Start every daemon without waiting; ``devices`` are known at once.
 
         Call :meth:`wait_ready` before using them (start the server meanwhile).
+        Raises: ValueError for a count out of range or CPUs not given for each.
         """
         from . import verbs_perf
 
+        if self.daemon_cpus is not None and len(self.daemon_cpus) != self.count:
+            raise ValueError(f"daemon_cpus names {len(self.daemon_cpus)} daemons' CPUs, count is {self.count}")
+        ips = [daemon_ip(i) for i in range(self.count)]
         self.runtime_dir = tempfile.mkdtemp(prefix="udpverbs-local-")
-        pl = self.placement
-        for ip, name, cpus in ((SERVER_IP, "uvlocal-s", pl and pl.server_daemon),
-                               (CLIENT_IP, "uvlocal-c", pl and pl.client_daemon)):
+        for i, ip in enumerate(ips):
+            name = self._name(i)
             path = os.path.join(self.runtime_dir, f"{name}.sock")
             argv = verbs_perf.daemon_command(ip, name, path, self.mtu - 28, self.daemon_args)
-            self.children.append(spawn(argv, stdout=subprocess.DEVNULL, cpus=cpus))
-            if ip == SERVER_IP:
-                self.server_device = path
-            else:
-                self.client_device = path
+            self.children.append(spawn(argv, stdout=subprocess.DEVNULL, cpus=self._cpus(i)))
+            self.devices.append(path)
+            self.names.append(name)
 
     def wait_ready(self) -> None:
-        """Wait until both daemons serve.  Raises LocalRunError if one does not."""
+        """Wait until every daemon serves and note its ``(ip, udp_port)`` in ``members``.
+
+        Raises: LocalRunError if one does not come up, or says something else than its ready line.
+        """
+        self.members = []
         for child in self.children:
-            child.wait_ready()
+            line = child.wait_ready()
+            parts = line.split()  # "ready IP PORT SOCKET" (daemon/__main__.py)
+            if len(parts) < 3 or parts[0] != "ready" or not parts[2].isdigit():
+                raise LocalRunError(f"{child.what} said {line!r} instead of its ready line")
+            self.members.append((parts[1], int(parts[2])))
 
     def __enter__(self) -> "LocalDaemons":
         try:

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Sequence, TextIO
 
-from udpverbs.bench import local
+from udpverbs.bench import group_perf, local
 from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
 from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
 from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
@@ -147,7 +147,9 @@ def _add_perf_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
 
 def _add_perf_workload(perf: argparse.ArgumentParser) -> None:
     """Add what every test takes: the test, sizes, iterations or duration, QPs, depth, MTU, polling."""
-    perf.add_argument("test", choices=list(TESTS), help="the test, as perftest's ib_<test>")
+    perf.add_argument("test", choices=[*TESTS, *group_perf.TESTS],
+                      help="the test, as perftest's ib_<test>; lock_lat and barrier_lat measure the process group "
+                      "(udpverbs perf lock_lat -h)")
     perf.add_argument("-s", "--size", type=_size, help="message size in bytes (default 2 for latency, 65536 for bandwidth)")
     perf.add_argument("-a", "--all", dest="all_sizes", action="store_true", help="run every size 2 … 2^23")
     perf.add_argument("--max-size", type=_size, default=1 << 23, help="largest size of an -a sweep (default 8M)")
@@ -456,6 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Takes: the arguments (default: sys.argv[1:]).
     Returns: the exit status.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["perf"] and any(a in group_perf.TESTS for a in argv[1:]):
+        return group_perf.main(argv[1:])  # flags of their own (bench/group_perf.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
