@@ -71,6 +71,10 @@ TESTS = ("lock_lat", "barrier_lat")
 ALGORITHMS = ("tree", "dissemination", "central")
 BASELINES = ("cas-lock",)
 DEFAULT_ITERS = 1000
+#: lock_lat's hand-off: each holder holds the lock this long (asleep), so
+#: that the other rank's request waits in the queue when it lets go
+DEFAULT_HOLD_US = 2000
+MAX_HOLD_US = 1_000_000
 DEFAULT_PROCS = (2, 4, 8)
 #: barrier_lat's daemons without --daemons: min(this, P)
 DEFAULT_DAEMONS = 4
@@ -97,18 +101,12 @@ def daemon_of(rank: int, procs: int, daemons: int) -> int:
     return rank * daemons // procs
 
 
-def distinct_daemons(members: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-    """The group's daemons, each once, in the order their first rank has in ``members``."""
-    return list(dict.fromkeys(members))
-
-
 def manager_of(lock_id: int, members: Sequence[tuple[str, int]]) -> tuple[str, int]:
-    """The daemon that manages lock ``lock_id``: ``lock_id % number of distinct daemons``, in member order.
+    """The daemon that manages lock ``lock_id``: rank ``lock_id % size``'s (``daemon/qlock.py``).
 
-    The one place this rule is written; the group's daemons must agree with it.
+    The one place the benchmarks write this rule down.
     """
-    ds = distinct_daemons(members)
-    return ds[lock_id % len(ds)]
+    return members[lock_id % len(members)]
 
 
 def lock_managed_by(daemon: tuple[str, int], members: Sequence[tuple[str, int]], start: int = 1) -> int:
@@ -116,8 +114,7 @@ def lock_managed_by(daemon: tuple[str, int], members: Sequence[tuple[str, int]],
 
     Raises: ValueError if ``daemon`` is not one of the group's.
     """
-    ds = distinct_daemons(members)
-    if daemon not in ds:
+    if daemon not in members:
         raise ValueError(f"daemon {daemon} is not one of the group's")
     lock_id = start
     while manager_of(lock_id, members) != daemon:
@@ -348,6 +345,13 @@ class GroupRow:
     acquisitions: int | None = None
     #: lock rows: typical time over the remote atomic round trip's (with --baseline)
     ratio_to_atomic: float | None = None
+    #: uncontended rows: the acquire's and the release's typical times alone (µs)
+    acquire_us: float | None = None
+    release_us: float | None = None
+    #: hand-off rows: how long each holder held the lock (µs)
+    hold_us: int | None = None
+    #: barrier rows: CPU time per barrier of all the ranks and of all the daemons (µs)
+    cpu_us: tuple[float, float] | None = None
 
 
 #: lock_lat's cases, as the table names them
@@ -375,10 +379,17 @@ def row_json(row: GroupRow) -> dict[str, Any]:
 
     Keys: ``test``, ``procs``, ``daemons``, ``iterations`` and the figures
     (:func:`figures_json`); ``lock_lat`` rows add ``lock`` (``group``,
-    ``cas-lock`` or ``atomic``), ``case`` (a key of :data:`CASES`), and
-    ``acquisitions`` (hand-off rows: ``iterations`` counts the hand-offs
-    among them) and ``ratio_to_atomic`` (with the baseline); ``barrier_lat``
-    rows add ``algorithm`` and ``arity`` (None but for the tree).
+    ``cas-lock`` or ``atomic``), ``case`` (a key of :data:`CASES`),
+    ``t_acquire_typical_us`` and ``t_release_typical_us`` (uncontended
+    rows: the median of each call alone), ``acquisitions`` and ``hold_us``
+    (hand-off rows: ``iterations`` counts the hand-offs among the
+    acquisitions; each holder held the lock ``hold_us``) and
+    ``ratio_to_atomic`` (with the baseline); ``barrier_lat``
+    rows add ``algorithm``, ``arity`` (None but for the tree) and
+    ``cpu_us_per_barrier`` (``{"ranks": …, "daemons": …}``: the CPU time
+    all the ranks, and all the daemons, spent per barrier, warm-up
+    included; beside the time per barrier it says how much of it the CPUs
+    were busy, e.g. more than the CPUs can give means the host is the limit).
     """
     out: dict[str, Any] = {"test": row.test, "procs": row.procs, "daemons": row.daemons,
                            "iterations": row.stats.iterations}
@@ -388,8 +399,14 @@ def row_json(row: GroupRow) -> dict[str, Any]:
             out["acquisitions"] = row.acquisitions
         if row.ratio_to_atomic is not None:
             out["ratio_to_atomic"] = row.ratio_to_atomic
+        if row.acquire_us is not None:
+            out.update(t_acquire_typical_us=row.acquire_us, t_release_typical_us=row.release_us)
+        if row.hold_us is not None:
+            out["hold_us"] = row.hold_us
     else:
         out.update(algorithm=row.algorithm, arity=row.arity)
+        if row.cpu_us is not None:
+            out["cpu_us_per_barrier"] = {"ranks": row.cpu_us[0], "daemons": row.cpu_us[1]}
     out.update(figures_json(row.stats))
     return out
 
@@ -402,7 +419,8 @@ def _figures_text(s: LatencyStats) -> str:
 FIGURE_COLUMNS = (f"{'#iterations':<10s} {'t_min':>9s} {'t_max':>10s} {'t_typical':>10s} {'t_avg':>10s}"
                   f" {'t_stdev':>9s} {'99%':>10s} {'99.9%':>10s}")
 LOCK_COLUMNS = f" {'lock':<9s} {'case':<38s} " + FIGURE_COLUMNS + "  vs atomic   [usec]"
-BARRIER_COLUMNS = f" {'#procs':>6s} {'#daemons':>8s} {'algorithm':<14s} {'arity':>5s}  " + FIGURE_COLUMNS + "  [usec]"
+BARRIER_COLUMNS = (f" {'#procs':>6s} {'#daemons':>8s} {'algorithm':<14s} {'arity':>5s}  " + FIGURE_COLUMNS
+                   + f" {'CPU':>10s}  [usec]")
 
 
 def format_row(row: GroupRow) -> str:
@@ -415,7 +433,8 @@ def format_row(row: GroupRow) -> str:
         ratio = f"{row.ratio_to_atomic:9.2f}x" if row.ratio_to_atomic is not None else f"{'':10s}"
         return f" {row.lock:<9s} {case:<38s} {_figures_text(row.stats)} {ratio}"
     arity = str(row.arity) if row.arity is not None else "-"
-    return f" {row.procs:>6d} {row.daemons:>8d} {row.algorithm:<14s} {arity:>5s}  {_figures_text(row.stats)}"
+    cpu = f" {sum(row.cpu_us):>10.0f}" if row.cpu_us is not None else ""
+    return f" {row.procs:>6d} {row.daemons:>8d} {row.algorithm:<14s} {arity:>5s}  {_figures_text(row.stats)}{cpu}"
 
 
 # -- parameters -------------------------------------------------------------------------
@@ -425,6 +444,8 @@ class GroupParams:
 
     test: str
     iters: int = DEFAULT_ITERS
+    #: lock_lat's hand-off runs: how long each holder holds the lock
+    hold_us: int = DEFAULT_HOLD_US
     json_out: bool = False
     pin: bool = True
     mtu: int = 1500
@@ -464,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also measure a Compare-and-Swap spin lock on a word in rank 0's memory, and one "
                       "atomic round trip, in the same run")
     lock.add_argument("--baseline-only", action="store_true", help="measure only the baseline (no group)")
+    lock.add_argument("--hold-us", type=int, default=DEFAULT_HOLD_US, metavar="US",
+                      help=f"hand-off runs: each holder holds the lock this long before its release, so that the "
+                      f"other rank is already waiting (default {DEFAULT_HOLD_US}; not in the figures)")
     bar = p.add_argument_group("barrier_lat")
     bar.add_argument("-P", "--procs", help="comma-separated rank counts (default 2,4,8)")
     bar.add_argument("--algorithm", default="tree", choices=(*ALGORITHMS, "all"),
@@ -507,9 +531,13 @@ def params_from_args(args: argparse.Namespace) -> GroupParams:
             raise GroupUsageError(f"{', '.join(barrier_flags)}: barrier_lat's flags; lock_lat runs 2 ranks on 2 daemons")
         if args.baseline_only and args.baseline is None:
             raise GroupUsageError("--baseline-only needs --baseline cas-lock")
-        return GroupParams(baseline=args.baseline, baseline_only=args.baseline_only, **common)  # type: ignore[arg-type]
-    if args.baseline is not None or args.baseline_only:
-        raise GroupUsageError("--baseline applies to lock_lat: barrier_lat's three algorithms are each other's baseline")
+        if not 0 <= args.hold_us <= MAX_HOLD_US:
+            raise GroupUsageError(f"--hold-us must be between 0 and {MAX_HOLD_US}")
+        return GroupParams(baseline=args.baseline, baseline_only=args.baseline_only, hold_us=args.hold_us,
+                           **common)  # type: ignore[arg-type]
+    if args.baseline is not None or args.baseline_only or args.hold_us != DEFAULT_HOLD_US:
+        raise GroupUsageError("--baseline and --hold-us apply to lock_lat: barrier_lat's three algorithms are each "
+                              "other's baseline")
     if args.arity < 2:
         raise GroupUsageError("--arity must be at least 2")
     if args.daemons is not None and not 1 <= args.daemons <= 253:
@@ -565,6 +593,20 @@ def _placement_text(daemon_cpus: Sequence[frozenset[int] | None], rank_cpus: Seq
             f"ranks CPU {' '.join(cpus(c) for c in rank_cpus) if len(rank_cpus) <= 8 else '/'.join(ranks)}")
 
 
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """The CPU time (user + system) the processes ``pids`` have used so far, in seconds (0 for one gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return total / tick
+
+
 def _stats(samples_ns: Sequence[int], what: str) -> LatencyStats:
     if not samples_ns:
         raise GroupRunError(f"{what}: no sample")
@@ -584,8 +626,9 @@ def run_lock_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
         ranks.ask({"op": "open"}, SETUP_TIMEOUT_S)
         members = ranks.members
         settings = [("Ranks", "2, rank r on daemon r (127.0.0.2, 127.0.0.3)"),
-                    ("Lock managers", "daemon (lock id mod daemons), in member order"),
-                    ("Iterations", f"{iters} measured after {warmup} warm-up")]
+                    ("Lock managers", "rank (lock id mod ranks)'s daemon"),
+                    ("Iterations", f"{iters} measured after {warmup} warm-up"),
+                    ("Hand-off", f"each holder holds the lock {p.hold_us} usec, not counted")]
         if p.baseline:
             settings.append(("Baseline", "cas-lock: Compare-and-Swap spin lock on a 64-bit word in rank 0's memory"
                              + (" (only)" if p.baseline_only else "")))
@@ -612,12 +655,14 @@ def run_lock_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
 
         def lock_rows(lock: str, kind: str, locks: dict[str, Any]) -> None:
             for case, who in (("uncontended-own", 0), ("uncontended-remote", 1 if kind == "cas" else 0)):
-                ans = run(f"{kind}-uncontended", [who], lock=locks.get(case))
-                emit(GroupRow("lock_lat", 2, 2, _stats(ans[who]["samples"], f"{lock} {case}"), lock, case))
-            ans = run(f"{kind}-handoff", [0, 1], lock=locks.get("handoff"))
+                ans = run(f"{kind}-uncontended", [who], lock=locks.get(case))[who]
+                emit(GroupRow("lock_lat", 2, 2, _stats(ans["samples"], f"{lock} {case}"), lock, case,
+                              acquire_us=_stats(ans["acquire"], "acquire").t_typical_us,
+                              release_us=_stats(ans["release"], "release").t_typical_us))
+            ans = run(f"{kind}-handoff", [0, 1], lock=locks.get("handoff"), hold_us=p.hold_us)
             samples, acquisitions = handoff_samples([a["acquired"] for a in ans], [a["released"] for a in ans])
             emit(GroupRow("lock_lat", 2, 2, _stats(samples, f"{lock} hand-off"), lock, "handoff",
-                          acquisitions=acquisitions))
+                          acquisitions=acquisitions, hold_us=p.hold_us))
 
         if p.baseline:
             for case, who in (("round-trip-own", 0), ("round-trip-remote", 1)):
@@ -645,7 +690,8 @@ def run_barrier_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
                 ("Daemons (M)", f"{p.daemons or f'min({DEFAULT_DAEMONS}, P)'} on 127.0.0.2, 127.0.0.3, ..."),
                 ("Algorithms", ", ".join(f"{a} (arity {p.arity})" if a == "tree" else a for a in p.algorithms)),
                 ("Iterations", f"{iters} consecutive barriers measured after {warmup} warm-up"),
-                ("Sample", "from the last rank's return from one barrier to the last's from the next")]
+                ("Sample", "from the last rank's return from one barrier to the last's from the next"),
+                ("CPU", "CPU time of all ranks and daemons per barrier")]
     if p.daemon_args:
         settings.append(("Daemon flags", " ".join(p.daemon_args)))
     settings.append(("CPU placement", "daemon d on CPU d mod n, its ranks on CPU (d+1) mod n" if p.pin
@@ -660,14 +706,16 @@ def run_barrier_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
                 Ranks(daemons, rank_daemons, rank_cpus) as ranks:
             ranks.ask({"op": "open"}, SETUP_TIMEOUT_S)
             ranks.ask({"op": "group"}, SETUP_TIMEOUT_S)
+            pids = ([proc.pid for proc in ranks.procs], [c.proc.pid for c in daemons.children])
             for algorithm in p.algorithms:
                 arity = p.arity if algorithm == "tree" else None
-                # the worker answers from the last warm-up barrier on: it starts the first sample
+                before = [cpu_seconds(group) for group in pids]
                 ans = ranks.ask({"op": "run", "phase": "barrier", "algorithm": algorithm, "arity": arity,
                                  "iters": iters, "warmup": warmup}, RUN_TIMEOUT_S)
+                cpu = tuple(1e6 * (cpu_seconds(group) - b) / (iters + warmup) for group, b in zip(pids, before))
                 samples = barrier_samples([a["exits"] for a in ans])
                 printer.row(GroupRow("barrier_lat", procs, m, _stats(samples, f"{algorithm} at P={procs}"),
-                                     algorithm=algorithm, arity=arity))
+                                     algorithm=algorithm, arity=arity, cpu_us=cpu))  # type: ignore[arg-type]
     printer.end()
     if p.plot:
         plot_barriers(printer.rows, p.plot)

@@ -281,7 +281,8 @@ class Rank:
     def join(self, msg: dict[str, Any]) -> dict[str, Any]:
         if not hasattr(self.verbs, "Group"):
             raise WorkerError("udpverbs.verbs has no Group (the process-group API) in this version")
-        self.group = self.verbs.Group.from_env(self.ctx, timeout=float(msg.get("timeout", GROUP_TIMEOUT_S)))
+        self.group = self.verbs.Group.from_env(self.ctx, timeout=float(msg.get("timeout", GROUP_TIMEOUT_S)),
+                                               join_timeout=JOIN_TIMEOUT_S)
         return {}
 
     def cas_open(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -302,9 +303,11 @@ class Rank:
           one at a time; answers each one's round trip (``samples``, ns).
         * ``cas-uncontended`` / ``group-uncontended``: ``iters`` acquire +
           release of the Compare-and-Swap lock or of the group's lock
-          ``lock``; answers each pair's time (``samples``).
+          ``lock``; answers each pair's time (``samples``), and the
+          acquire's and the release's alone (``acquire``, ``release``).
         * ``cas-handoff`` / ``group-handoff``: the same, every rank in
-          ``ranks`` at once; answers ``acquired`` (when each acquire
+          ``ranks`` at once, each holding the lock ``hold_us`` (asleep)
+          before its release; answers ``acquired`` (when each acquire
           returned) and ``released`` (when each release was called).
         * ``cas-counter`` / ``group-counter``: ``iters`` increments of
           rank 0's counter by RDMA Read and Write, each under the lock.
@@ -334,9 +337,12 @@ class Rank:
         else:
             acquire, release = self._lock(kind, msg.get("lock"))
         if what == "uncontended":
-            return {"samples": _pairs(acquire, release, iters + warmup)[warmup:]}
+            marks = _pairs(acquire, release, iters + warmup)[warmup:]
+            return {"samples": [c - a for a, _, c in marks], "acquire": [b - a for a, b, _ in marks],
+                    "release": [c - b for _, b, c in marks]}
         if what == "handoff":
-            acquired, released = _timeline(acquire, release, iters + warmup)
+            hold_s = float(msg.get("hold_us", 0)) / 1e6
+            acquired, released = _timeline(acquire, release, iters + warmup, hold_s)
             return {"acquired": acquired[warmup:], "released": released[warmup:]}
         if what == "counter":
             self._increments(acquire, release, iters)
@@ -426,25 +432,32 @@ class Rank:
         self.group = self.ctx = None
 
 
-def _pairs(acquire: Callable[[], Any], release: Callable[[], Any], n: int) -> list[int]:
-    """``n`` acquire + release, each pair timed (ns)."""
+def _pairs(acquire: Callable[[], Any], release: Callable[[], Any], n: int) -> list[tuple[int, int, int]]:
+    """``n`` acquire + release; for each, when the acquire was called, when it returned, and when the release returned."""
     clock = now_ns
-    samples = []
+    marks = []
     for _ in range(n):
         t0 = clock()
         acquire()
+        t1 = clock()
         release()
-        samples.append(clock() - t0)
-    return samples
+        marks.append((t0, t1, clock()))
+    return marks
 
 
-def _timeline(acquire: Callable[[], Any], release: Callable[[], Any], n: int) -> tuple[list[int], list[int]]:
-    """``n`` acquire + release back to back; when each acquire returned and each release was called."""
-    clock = now_ns
+def _timeline(acquire: Callable[[], Any], release: Callable[[], Any], n: int,
+              hold_s: float) -> tuple[list[int], list[int]]:
+    """``n`` times: acquire, hold the lock ``hold_s`` (asleep), release, and at once acquire again.
+
+    Returns: when each acquire returned and when each release was called.
+    """
+    clock, sleep = now_ns, time.sleep
     acquired, released = [], []
     for _ in range(n):
         acquire()
         acquired.append(clock())
+        if hold_s:
+            sleep(hold_s)
         released.append(clock())
         release()
     return acquired, released

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from udpverbs import cli, verbs
+from udpverbs import cli
 from udpverbs.bench import group_perf as gp
 from udpverbs.bench import local
 from udpverbs.bench.stats import latency_stats
 
 LAT = {"t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "t_p99_us", "t_p999_us"}
-needs_group = pytest.mark.skipif(not hasattr(verbs, "Group"), reason="udpverbs.verbs has no Group yet")
 
 
 def _params(*argv: str) -> gp.GroupParams:
@@ -40,6 +39,8 @@ def test_barrier_flags_are_read_together() -> None:
     (["barrier_lat", "--local", "--arity", "1"], "--arity"),
     (["barrier_lat", "--local", "-n", "0"], "-n"),
     (["barrier_lat", "--local", "--daemon-arg=--port=5"], "--port"),
+    (["barrier_lat", "--local", "--hold-us", "5"], "lock_lat"),
+    (["lock_lat", "--local", "--hold-us", "-1"], "--hold-us"),
 ])
 def test_bad_flags_are_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert cli.main(["perf", *argv]) == 2
@@ -58,10 +59,9 @@ def test_block_placement_and_lock_managers() -> None:
     assert [gp.daemon_of(r, 8, 3) for r in range(8)] == [0, 0, 0, 1, 1, 1, 2, 2]
     a, b, c = ("127.0.0.2", 1000), ("127.0.0.3", 1001), ("127.0.0.4", 1002)
     members = [a, a, b, b, c]
-    assert gp.distinct_daemons(members) == [a, b, c]
-    assert [gp.manager_of(k, members) for k in range(4)] == [a, b, c, a]
-    assert gp.lock_managed_by(a, members) == 3 and gp.lock_managed_by(b, members) == 1
-    assert gp.lock_managed_by(a, members, start=4) == 6
+    assert [gp.manager_of(k, members) for k in range(6)] == [a, a, b, b, c, a]
+    assert gp.lock_managed_by(a, members) == 1 and gp.lock_managed_by(b, members) == 2
+    assert gp.lock_managed_by(c, members, start=5) == 9
     with pytest.raises(ValueError):
         gp.lock_managed_by(("127.0.0.9", 1), members)
 
@@ -137,54 +137,44 @@ def _json_rows(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def test_cas_lock_baseline_and_atomic_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = _json_rows(capsys, "lock_lat", "--local", "-n", "20", "--baseline", "cas-lock", "--baseline-only")
+def test_lock_lat_reports_group_and_baseline_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _json_rows(capsys, "lock_lat", "--local", "-n", "20", "--baseline", "cas-lock", "--hold-us", "500")
     assert [(r["lock"], r["case"]) for r in rows] == [
         ("atomic", "round-trip-own"), ("atomic", "round-trip-remote"),
-        ("cas-lock", "uncontended-own"), ("cas-lock", "uncontended-remote"), ("cas-lock", "handoff")]
+        ("cas-lock", "uncontended-own"), ("cas-lock", "uncontended-remote"), ("cas-lock", "handoff"),
+        ("group", "uncontended-own"), ("group", "uncontended-remote"), ("group", "handoff")]
     for r in rows:
         assert LAT <= r.keys() and 0 < r["t_min_us"] <= r["t_typical_us"] <= r["t_max_us"]
         assert (r["procs"], r["daemons"]) == (2, 2)
-    assert all(r["iterations"] == 20 for r in rows[:4])
-    # the hand-off run alternates: every acquisition after the first is a hand-off
-    assert rows[4]["acquisitions"] == 2 * 20 and rows[4]["iterations"] == rows[4]["acquisitions"] - 1
-    assert rows[2]["ratio_to_atomic"] > 0
+        assert (r["lock"] == "atomic") == ("ratio_to_atomic" not in r)
+        if r["case"].startswith("uncontended"):
+            assert r["iterations"] == 20 and 0 < r["t_acquire_typical_us"] and 0 < r["t_release_typical_us"]
+        if r["case"] == "handoff":
+            assert r["acquisitions"] == 2 * 20 and r["hold_us"] == 500
+    # the Compare-and-Swap hand-off alternates by construction: every acquisition after the first is one
+    assert rows[4]["iterations"] == 2 * 20 - 1
+    # the queue lock grants in request order: the other rank, waiting through the hold, gets it
+    assert rows[7]["iterations"] >= 2 * 20 - 3
 
 
-def _counter_run(kind: str, procs: int, daemons: int, increments: int, *, join: bool = False) -> int:
-    """``procs`` ranks increment rank 0's counter by RDMA Read and Write under the lock; returns the counter."""
-    with local.LocalDaemons(count=daemons) as ds, \
-            gp.Ranks(ds, [gp.daemon_of(r, procs, daemons) for r in range(procs)]) as ranks:
+def test_both_locks_exclude() -> None:
+    # three ranks, two of them on one daemon, each incrementing rank 0's
+    # counter 25 times by an RDMA Read and an RDMA Write under the lock, first
+    # the Compare-and-Swap lock's, then the group's (a lock managed by the
+    # other daemon): an update lost to two holders at once would show
+    with local.LocalDaemons(count=2) as ds, gp.Ranks(ds, [0, 0, 1]) as ranks:
         ranks.ask({"op": "open"}, 60)
-        if join:
-            ranks.ask({"op": "group"}, 60)
+        ranks.ask({"op": "group"}, 60)
         table = ranks.ask({"op": "cas-open"}, 60)
         ranks.ask({"op": "cas-connect", "table": table}, 60)
         lock = gp.lock_managed_by(ranks.members[-1], ranks.members)
-        ranks.ask({"op": "run", "phase": f"{kind}-counter", "iters": increments, "lock": lock}, 120)
-        return ranks.ask({"op": "run", "phase": "counter", "ranks": [0]}, 60)[0]["value"]
+        counts = []
+        for kind in ("cas", "group"):
+            ranks.ask({"op": "run", "phase": f"{kind}-counter", "iters": 25, "lock": lock}, 120)
+            counts.append(ranks.ask({"op": "run", "phase": "counter", "ranks": [0]}, 60)[0]["value"])
+    assert counts == [75, 150]
 
 
-def test_cas_lock_excludes(capsys: pytest.CaptureFixture[str]) -> None:
-    # three ranks, two of them on one daemon, each incrementing 25 times with
-    # a Read and a Write: an update lost to an overlap would show
-    assert _counter_run("cas", 3, 2, 25) == 75
-
-
-@needs_group
-def test_group_lock_excludes() -> None:
-    assert _counter_run("group", 3, 2, 25, join=True) == 75
-
-
-@needs_group
-def test_lock_lat_reports_group_and_baseline_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = _json_rows(capsys, "lock_lat", "--local", "-n", "10", "--baseline", "cas-lock")
-    group = [r for r in rows if r["lock"] == "group"]
-    assert [r["case"] for r in group] == ["uncontended-own", "uncontended-remote", "handoff"]
-    assert all(r["t_typical_us"] > 0 and r["ratio_to_atomic"] > 0 for r in group)
-
-
-@needs_group
 def test_barrier_lat_small_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plot = ["--plot", str(tmp_path / "b.png")] if _has_matplotlib() else []
     rows = _json_rows(capsys, "barrier_lat", "--local", "-P", "2,4", "--algorithm", "all", "-n", "10", *plot)
@@ -192,6 +182,7 @@ def test_barrier_lat_small_run(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     for r in rows:
         assert r["iterations"] == 10 and r["t_typical_us"] > 0 and r["t_p99_us"] >= r["t_typical_us"]
         assert r["daemons"] == min(4, r["procs"]) and r["arity"] == (2 if r["algorithm"] == "tree" else None)
+        assert r["cpu_us_per_barrier"]["ranks"] >= 0 and r["cpu_us_per_barrier"]["daemons"] >= 0
     if plot:
         assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
 
