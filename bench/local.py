@@ -297,6 +297,17 @@ def check_daemon_args(args: Sequence[str]) -> list[str]:
     return args
 
 
+def daemon_address(line: str, what: str = "the daemon") -> tuple[str, int]:
+    """The ``(ip, udp_port)`` a daemon's ready line names: ``ready IP PORT SOCKET`` (``daemon/__main__.py``).
+
+    Raises: LocalRunError naming ``what`` if the line is not one.
+    """
+    words = line.split()
+    if len(words) != 4 or words[0] != "ready" or not words[2].isdigit():
+        raise LocalRunError(f"{what} reported {line!r}, not 'ready IP PORT SOCKET'")
+    return words[1], int(words[2])
+
+
 def daemon_ip(index: int) -> str:
     """The loopback address of a local run's daemon ``index``: 127.0.0.2, 127.0.0.3, ... (the
     first two are SERVER_IP and CLIENT_IP).
@@ -386,13 +397,7 @@ class LocalDaemons:
 
         Raises: LocalRunError if one does not come up, or says something else than its ready line.
         """
-        self.members = []
-        for child in self.children:
-            line = child.wait_ready()
-            parts = line.split()  # "ready IP PORT SOCKET" (daemon/__main__.py)
-            if len(parts) < 3 or parts[0] != "ready" or not parts[2].isdigit():
-                raise LocalRunError(f"{child.what} said {line!r} instead of its ready line")
-            self.members.append((parts[1], int(parts[2])))
+        self.members = [daemon_address(child.wait_ready(), child.what) for child in self.children]
 
     def __enter__(self) -> "LocalDaemons":
         try:

@@ -134,3 +134,12 @@ def test_progress_line_redraws_and_clears() -> None:
     show(4, 4, 0)
     text = buf.getvalue()
     assert "0/4  2 B" in text and "2/4  8 B" in text and text.endswith("\r")
+
+
+def test_daemon_ready_line_and_addresses() -> None:
+    assert local.daemon_address("ready 127.0.0.4 40123 /tmp/x/uvlocal-2.sock") == ("127.0.0.4", 40123)
+    with pytest.raises(local.LocalRunError, match="uvlocal-2"):
+        local.daemon_address("serving", "uvlocal-2")
+    assert [local.daemon_ip(i) for i in (0, 1, 252)] == [local.SERVER_IP, local.CLIENT_IP, "127.0.0.254"]
+    with pytest.raises(ValueError):
+        local.daemon_ip(253)
