@@ -18,11 +18,16 @@ the host shares, so their timestamps can be laid side by side.
 * *uncontended*: rank 0 alone acquires and releases a lock, each pair
   timed, once for a lock its own daemon manages and once for one the other
   daemon manages (:func:`manager_of` says which daemon manages a lock id);
-* *hand-off*: both ranks acquire and release the same lock back to back;
-  each time the lock passes from one rank to the other, the time from the
-  release call to the other's acquire returning is one sample.  The merged
-  timeline also proves mutual exclusion: no acquire may return before the
-  previous holder's release was called (:func:`handoff_samples` raises).
+* *hand-off*: both ranks take the same lock (one rank 0's daemon
+  manages) in turn: each acquires, holds it ``--hold-us`` (asleep, so that
+  the other rank's request is waiting in the queue by then), releases and
+  asks again at once; each time the lock passes from one rank to the
+  other, the time from the release call to the other's acquire returning
+  is one sample.  Back to back, without the hold, a release often reached
+  the manager before the other rank's request, and the lock changed hands
+  in only about half the acquisitions.  The merged timeline also proves
+  mutual exclusion: no acquire may return before the previous holder's
+  release was called (:func:`handoff_samples` raises).
 
 ``--baseline cas-lock`` measures, in the same run, the same rows for the
 lock built from verbs atomics (a Compare-and-Swap spin lock on a 64-bit word
