@@ -528,7 +528,7 @@ class Job:
                                         stderr=subprocess.PIPE, process_group=0)
             except OSError as e:
                 self.say(f"cannot start rank {rank}: {self.opts.command[0]}: {e.strerror or e}")
-                self._set_status(127 if e.errno == errno.ENOENT else 126 if e.errno == errno.EACCES else 1)
+                self._stop_ranks(127 if e.errno == errno.ENOENT else 126 if e.errno == errno.EACCES else 1)
                 return False
             r = _Rank(rank, device, proc)
             self.ranks.append(r)
@@ -582,9 +582,9 @@ class Job:
             lines.feed(data)
 
     def _close_stream(self, r: _Rank, lines: _Lines) -> None:
+        r.streams.remove(lines)
         lines.finish()
         self.sel.unregister(lines.fd)
-        r.streams.remove(lines)
         lines.pipe.close()
 
     def _rank_exited(self, r: _Rank) -> None:
@@ -636,25 +636,35 @@ class Job:
     # -- clean up ------------------------------------------------------------------------------------------
 
     def _clean_up(self) -> None:
-        """Stop every rank, then every daemon, by pid; print what the ranks left in their pipes; remove our runtime dir."""
-        local.stop_processes([r.proc for r in self.ranks], self.opts.grace_s)
+        """Stop every rank, then every daemon, by pid; remove our runtime dir; print what the ranks left
+        in their pipes.  It relies on no state a signal may have cut short: only on the lists of children."""
+        try:
+            local.stop_processes([r.proc for r in self.ranks], self.opts.grace_s)
+            local.stop_processes([d.child.proc for d in self.daemons])  # theirs, not --grace: they shut down cleanly
+        finally:
+            try:
+                for d in self.daemons:
+                    d.child.stop()  # the readiness pipe, if it was never read
+                if self.runtime_dir is not None:
+                    shutil.rmtree(self.runtime_dir, ignore_errors=True)
+                    self.runtime_dir = None
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        """Print what the (stopped) ranks left in their pipes and close every descriptor we hold."""
         for r in self.ranks:
-            if not r.reaped:
-                self._reaped(r)
-            for lines in list(r.streams):
-                self._read(lines)
-                self._close_stream(r, lines)
-        local.stop_processes([d.child.proc for d in self.daemons], self.opts.grace_s)
-        for d in self.daemons:
-            d.child.stop()  # the readiness pipe, if it was never read
-            if d.pidfd is not None:
-                self.sel.unregister(d.pidfd)
-                os.close(d.pidfd)
-                d.pidfd = None
-        self.sel.close()
-        if self.runtime_dir is not None:
-            shutil.rmtree(self.runtime_dir, ignore_errors=True)
-            self.runtime_dir = None
+            for lines in r.streams:
+                with contextlib.suppress(OSError):
+                    self._read(lines)
+                lines.finish()
+                lines.pipe.close()
+            r.streams.clear()
+        for fd_owner in (*self.ranks, *self.daemons):
+            if fd_owner.pidfd is not None:
+                os.close(fd_owner.pidfd)
+                fd_owner.pidfd = None
+        self.sel.close()  # closing a descriptor took it out of the epoll set already
 
 
 def run(opts: RunOptions, **kw: object) -> int:

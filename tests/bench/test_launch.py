@@ -45,7 +45,7 @@ NOWHERE = "127.0.0.9 9"
 
 def run_cmd(*args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(local.cli_argv("run", *args), capture_output=True, text=True, timeout=timeout_s,
-                          stdin=subprocess.DEVNULL, env=env)
+                          stdin=subprocess.DEVNULL, env=env, check=False)
 
 
 def reports(stdout: str) -> dict[int, dict[str, object]]:
@@ -80,7 +80,8 @@ class Output:
         deadline = time.monotonic() + timeout_s
         while not done(self.lines):
             left = deadline - time.monotonic()
-            assert not self.eof and left > 0, f"not seen before {'the end' if self.eof else 'the deadline'}: {self.lines}"
+            when = "the end" if self.eof else "the deadline"
+            assert not self.eof and left > 0, f"not seen before {when}: {self.lines}"
             if select.select([self.fd], [], [], left)[0]:
                 data = os.read(self.fd, 1 << 16)
                 self.eof = not data
@@ -133,7 +134,7 @@ def test_every_rank_learns_its_rank_and_the_members_its_daemon_answers_as() -> N
     assert done.returncode == 0, done.stderr
     ranks = reports(done.stdout)
     assert sorted(ranks) == [0, 1, 2]
-    (first, *others) = ranks.values()
+    first = ranks[0]
     members = parse_members(str(first["UDPVERBS_MEMBERS"]))
     assert len(members) == 3
     for r, env in ranks.items():
@@ -169,6 +170,16 @@ def test_ctrl_c_stops_ranks_and_daemons_and_exits_130(launcher) -> None:  # type
     assert not any("KeyboardInterrupt" in line for line in said), said
 
 
+def test_a_daemon_that_dies_fails_the_job(launcher) -> None:  # type: ignore[no-untyped-def]
+    proc, out, err = launcher("-v", "-n", "2", "--", PY, "-c", "import time; print('up'); time.sleep(60)")
+    out.until(lambda lines: len(lines) == 2)
+    pids = pids_reported(err.until(lambda lines: len(pids_reported(lines)) == 3))
+    os.kill(pids["uv0"], signal.SIGTERM)  # the launcher's child, by the pid it reported: it stops cleanly
+    assert proc.wait(30) == 1
+    assert any("daemon uv0" in line and "exited with status 0: stopping every rank" in line for line in err.rest())
+    assert [name for name, pid in pids.items() if alive(pid)] == []
+
+
 # -- what does not need a daemon ------------------------------------------------------------------------------------
 
 
@@ -197,7 +208,8 @@ def test_lines_keep_their_rank_prefix_and_stay_whole(hosts_file) -> None:  # typ
     assert done.stdout.count("no newline") == 3
 
 
-def test_first_failure_sets_the_status_and_the_others_are_stopped(hosts_file, launcher, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_first_failure_sets_the_status_and_the_others_are_stopped(  # type: ignore[no-untyped-def]
+        hosts_file, launcher, tmp_path) -> None:
     # Rank 1 fails once ranks 0 and 2 are ready; rank 2 answers SIGTERM with status 5 (later: not the job's);
     # rank 0 ignores SIGTERM, so only the SIGKILL after --grace ends it.
     fifo = str(tmp_path / "go")
@@ -231,7 +243,8 @@ def test_first_failure_sets_the_status_and_the_others_are_stopped(hosts_file, la
 
 
 def test_a_rank_killed_by_a_signal_is_128_plus_the_signal(hosts_file) -> None:  # type: ignore[no-untyped-def]
-    done = run_cmd("--hosts", hosts_file(NOWHERE), "--", PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    done = run_cmd("--hosts", hosts_file(NOWHERE), "--", PY, "-c",
+                   "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     assert done.returncode == 128 + signal.SIGKILL
     assert "rank 0" in done.stderr and f"status {128 + signal.SIGKILL}" in done.stderr
 
@@ -244,7 +257,8 @@ def test_timeout_stops_the_job_with_124(hosts_file) -> None:  # type: ignore[no-
 
 
 def test_sigterm_to_the_launcher_exits_143(hosts_file, launcher) -> None:  # type: ignore[no-untyped-def]
-    proc, out, err = launcher("-v", "--hosts", hosts_file(NOWHERE), "--", PY, "-c", "import time; print('up'); time.sleep(60)")
+    proc, out, err = launcher("-v", "--hosts", hosts_file(NOWHERE), "--", PY, "-c",
+                              "import time; print('up'); time.sleep(60)")
     out.until(lambda lines: lines == ["[0] up"])
     pid = pids_reported(err.until(lambda lines: bool(pids_reported(lines))))["rank 0"]
     proc.terminate()
@@ -260,7 +274,8 @@ def test_a_command_that_cannot_start_exits_127(hosts_file, capsys) -> None:  # t
 # -- --hosts: daemons someone else started ----------------------------------------------------------------------------
 
 
-def test_hosts_file_names_running_daemons_and_ranks_here_take_their_slice(hosts_file) -> None:  # type: ignore[no-untyped-def]
+def test_hosts_file_names_running_daemons_and_ranks_here_take_their_slice(  # type: ignore[no-untyped-def]
+        hosts_file) -> None:
     with tempfile.TemporaryDirectory(prefix="udpverbs-test-") as d, \
             DaemonProc("uvA", "127.0.0.2", d, seed=21) as a, DaemonProc("uvB", "127.0.0.3", d, seed=22) as b:
         hosts = hosts_file(f"# two daemons, three ranks\n127.0.0.2 {a.port} slots=2 device=uvA\n\n"
