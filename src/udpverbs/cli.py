@@ -263,7 +263,7 @@ def _add_run_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     run.add_argument("--hosts", metavar="FILE",
                      help="use the running daemons FILE names, one a line: ADDRESS PORT [slots=K] [device=NAME]")
     run.add_argument("--rank-base", type=int, metavar="B", help="with --hosts: the first rank started here (default 0)")
-    run.add_argument("--device", help="with --hosts: the device of ranks whose line names none "
+    run.add_argument("--device", metavar="NAME", help="with --hosts: the device of ranks whose line names none "
                      "(default $UDPVERBS_DEVICE or uv0)")
     run.add_argument("--name", help="the job's group name (default run-PID-TIME; with --hosts and ranks elsewhere, "
                      "required: every launcher gives the same)")
