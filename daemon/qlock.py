@@ -287,15 +287,7 @@ class LockEngine:
             else:
                 self.stats["lock_unlock_crossed"] += 1  # a LOCK_FORW is on its way to that holder
         elif t == LockType.TRYLOCK_REQ:
-            status = LockStatus.BUSY
-            if m.lock_id not in self.last:
-                if len(self.last) >= MAX_MANAGED_LOCKS:
-                    status = LockStatus.REFUSED
-                else:
-                    self.last[m.lock_id] = (m.proc, m.seq)
-                    status = LockStatus.GRANTED
-            self._send(self.daemon_of(m.proc),
-                       LockMessage(LockType.TRYLOCK_REPLY, self.group, m.lock_id, m.proc, m.seq, status=status))
+            self._manager_trylock(m)
         elif t == LockType.LOCK_FORW:
             self._forwarded(m)
         else:  # LOCK_REPLY, TRYLOCK_REPLY
@@ -316,6 +308,17 @@ class LockEngine:
         self.last[m.lock_id] = (m.proc, m.seq)
         self._send(self.daemon_of(prev[0]),
                    LockMessage(LockType.LOCK_FORW, self.group, m.lock_id, prev[0], prev[1], m.proc, m.seq))
+
+    def _manager_trylock(self, m: LockMessage) -> None:
+        status = LockStatus.BUSY
+        if m.lock_id not in self.last:
+            if len(self.last) >= MAX_MANAGED_LOCKS:
+                status = LockStatus.REFUSED
+            else:
+                self.last[m.lock_id] = (m.proc, m.seq)
+                status = LockStatus.GRANTED
+        self._send(self.daemon_of(m.proc),
+                   LockMessage(LockType.TRYLOCK_REPLY, self.group, m.lock_id, m.proc, m.seq, status=status))
 
     def _forwarded(self, m: LockMessage) -> None:
         a = self.acq.get((m.proc, m.lock_id))
