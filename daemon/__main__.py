@@ -25,6 +25,7 @@ import trio
 from . import config as dconfig
 from . import heap
 from .cm import ConnectionManager
+from .groups import GroupService
 from .control import check_socket_free, serve_control
 from .device import Device, DeviceConfig
 
@@ -47,10 +48,12 @@ async def run(cfg: dict[str, Any]) -> None:
             raise OSError(e.errno, f"cannot bind UDP {cfg['addr']}:{cfg['port']}: {e.strerror}"
                           " (another udpverbs daemon on this port?)") from None
         ConnectionManager(device)
+        groups = GroupService(device)
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 await nursery.start(serve_control, device, path)
                 await nursery.start(device.loop.run)
+                await nursery.start(groups.run)
                 log.info("udpverbsd %s: udp %s:%d, control %s, mtu %d, pid %d",
                          cfg["name"], ip, port, path, cfg["mtu"], os.getpid())
                 if cfg.get("ready_fd") is not None:

@@ -73,6 +73,7 @@ class Session:
         self.qps: set[int] = set()
         self.srqs: set[int] = set()
         self.listeners: set[int] = set()
+        self.group_member: Any = None  # the rank this connection joined as (groups.py)
 
     # -- helpers the data path calls ---------------------------------------------
     def set_need_wakeup(self, v: int) -> None:
@@ -391,6 +392,8 @@ class Session:
         d.loop.remove_doorbell(self.doorbell)
         if d.cm is not None:
             d.cm.session_closed(self)
+        if d.groups is not None:
+            d.groups.session_closed(self)
         for qpn in list(self.qps):
             qp = d.qps.get(qpn)
             if qp is not None:
@@ -518,6 +521,8 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
             reply, out_fds = await _serve_one(sess, data, fds, flags)
             for fd in fds:  # the handlers keep what they need (mmap holds its own ref)
                 os.close(fd)
+            if reply is None:
+                continue  # a group request that waits: the data path answers it
             anc_out = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))] if out_fds else []
             await conn.sendmsg([reply], anc_out)
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
@@ -531,7 +536,7 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
         device.loop.wake()
 
 
-async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> tuple[bytes, list[int]]:
+async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> tuple[bytes | None, list[int]]:
     try:
         op, req = ctl.decode_request_untrusted(data)
     except WireError as e:
@@ -540,6 +545,11 @@ async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> 
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         return ctl.encode_error(op, errno.EINVAL, "request or fds truncated"), []
     try:
+        if op >= Op.GROUP_JOIN:  # on a group's own connection, no HELLO
+            groups = sess.device.groups
+            if groups is None:
+                raise TableError(errno.EOPNOTSUPP, "this daemon runs no process groups")
+            return groups.handle(sess, op, req), []
         if op >= Op.CM_LISTEN:
             if not sess.hello:
                 raise TableError(errno.EPROTO, "HELLO first")

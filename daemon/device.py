@@ -163,6 +163,15 @@ class Device:
     def cm(self, cm: Any) -> None:
         self.receiver.cm = cm
 
+    @property
+    def groups(self) -> Any:
+        """The process groups (``groups.py``), which route LOCK/BARRIER/GROUP messages; None until made."""
+        return self.receiver.groups
+
+    @groups.setter
+    def groups(self, groups: Any) -> None:
+        self.receiver.groups = groups
+
     # -- setup ----------------------------------------------------------------
     def bind(self) -> tuple[str, int]:
         """Bind the UDP socket.  Raises OSError (EADDRINUSE: another daemon has it)."""
@@ -286,6 +295,8 @@ class Device:
             qp.fatal(f"link {reason}")
         if self.cm is not None:
             self.cm.on_link_failed(pl)
+        if self.groups is not None:
+            self.groups.on_link_failed(pl)
 
     # -- the data path ----------------------------------------------------------
     def poll_once(self) -> bool:

@@ -128,11 +128,15 @@ class DataLoop:
         self.epoll.register(self.wake_fd, select.EPOLLIN)
         self.doorbells: set[int] = set()
         self._watched: set[int] = set()
+        #: the control sockets alone, looked at while spinning: a request
+        #: (a group's lock or barrier waits on it) must not wait out the spin
+        self.control = select.epoll()
         self.sleeping = False
 
     def close(self) -> None:
         """Close the epoll fd and the wake eventfd."""
         self.epoll.close()
+        self.control.close()
         os.close(self.wake_fd)
 
     # -- what wakes the loop --------------------------------------------------------
@@ -165,16 +169,18 @@ class DataLoop:
     def watch(self, fd: int) -> None:
         """Wake the loop when ``fd`` (a control socket trio owns) becomes readable."""
         self.epoll.register(fd, select.EPOLLIN | select.EPOLLRDHUP)
+        self.control.register(fd, select.EPOLLIN | select.EPOLLRDHUP)
         self._watched.add(fd)
 
     def unwatch(self, fd: int) -> None:
         """Stop watching ``fd``; call before the fd is closed."""
         if fd in self._watched:
             self._watched.discard(fd)
-            try:
-                self.epoll.unregister(fd)
-            except OSError:
-                pass
+            for ep in (self.epoll, self.control):
+                try:
+                    ep.unregister(fd)
+                except OSError:
+                    pass
 
     # -- the loop ---------------------------------------------------------------------
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -207,7 +213,10 @@ class DataLoop:
         clock = host.clock
         spin_end = host.now + (self.inflight_spin_s if host.awaiting_peer() else self.spin_s)
         idle = 0
+        control = self.control.poll
         while clock() < spin_end:
+            if control(0):
+                return False  # to the sleep step, which lets trio serve the request first
             t0 = clock()
             os.sched_yield()
             t1 = clock()
@@ -234,7 +243,7 @@ class DataLoop:
         self.sleeping = True
         shm.full_fence()  # need_wakeup must be visible before we look at the rings once more
         try:
-            if host.poll_once():
+            if host.poll_once() and not self.control.poll(0):
                 return
             # Let every other trio task (control plane) run until all are blocked.
             # A bare checkpoint is not enough: a task woken in the same scheduler
@@ -252,7 +261,11 @@ class DataLoop:
             # the control sockets (``watch``), so a client request wakes us and
             # the checkpoint above lets trio serve it; trio timers are honoured
             # through seconds_to_next_deadline.
-            self.epoll.poll(timeout - 0.001)  # rounded up to ms by epoll_wait: wake no later than due
+            fired = self.epoll.poll(timeout - 0.001)  # rounded up to ms by epoll_wait: wake no later than due
+            if any(fd in self._watched for fd, _ in fired):
+                # A client's request (a group's lock or barrier is one, and
+                # waits on this answer): serve it now, not after a spin.
+                await trio.testing.wait_all_tasks_blocked()
         finally:
             self.sleeping = False
             for sess in host.sessions:

@@ -80,6 +80,7 @@ class Receiver:
         self.dispatch_budget = dispatch_budget
         self.open_passive = open_passive
         self.cm: Any = None  # the connection manager (set by it, through the device)
+        self.groups: Any = None  # the process groups (likewise)
         #: the part of a GRO buffer a pass left for the next: (link, buffer,
         #: offset, segment size, arrival time)
         self.rest: tuple[PeerLink, bytes, int, int, float] | None = None
@@ -312,6 +313,8 @@ class Receiver:
                     qp.on_flow(payload)  # what it completes, the completion step reports
             elif kind == Kind.CM and self.cm is not None:
                 self.cm.on_message(pl, payload)
+            elif kind >= Kind.LOCK and self.groups is not None:  # LOCK, BARRIER, GROUP
+                self.groups.on_message(pl, kind, payload)
             else:
                 self.stats["rx_unhandled_kind"] += 1
         except Exception:  # an engine bug must not take the daemon down

@@ -71,6 +71,7 @@ DAEMON_ORDER = [
     "heap", "config", "tables", "opcodes", "records", "cq", "ports", "policy", "udp", "peer",
     "completer", "responder", "requester", "qp",
     "scheduler", "rxlane", "receive", "loop", "device",
+    "qlock", "gbarrier", "groups",
     "control", "cm", "__main__",
 ]
 

@@ -15,6 +15,7 @@ from . import cm, enums
 from .cm import CMListener, ConnParam, ConnRequest, connect, connect_async, disconnect
 from .cq import CQ, WC, CompChannel
 from .device import GID, AsyncEvent, Context, DeviceAttr, PortAttr, get_device_list
+from .group import Group, GroupError
 from .errors import PyverbsRDMAError, PyverbsUserError, UserError, VerbsError
 from .pd import MR, PD
 from .qp import QP, SGE, AHAttr, GlobalRoute, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR
@@ -22,7 +23,7 @@ from .srq import SRQ, SrqAttr, SrqInitAttr
 
 __all__ = [
     "AHAttr", "AsyncEvent", "CMListener", "CQ", "CompChannel", "ConnParam", "ConnRequest", "Context",
-    "DeviceAttr", "GID", "GlobalRoute", "MR", "PD", "PortAttr", "PyverbsRDMAError", "PyverbsUserError", "QP",
+    "DeviceAttr", "GID", "GlobalRoute", "Group", "GroupError", "MR", "PD", "PortAttr", "PyverbsRDMAError", "PyverbsUserError", "QP",
     "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "SGE", "SRQ", "SendWR", "SrqAttr", "SrqInitAttr", "UserError", "VerbsError", "WC", "cm",
     "connect", "connect_async", "disconnect", "enums", "get_device_list",
 ]

@@ -37,8 +37,9 @@ from typing import Any
 
 from .errors import WireError
 
-CTL_VERSION = 2  # 2: CREATE_QP names an SRQ; SRQ and statistics requests
-MAX_CTL_MESSAGE = 2048  #: bytes; the largest is a CM message with 512 B private data
+CTL_VERSION = 3  # 2: CREATE_QP names an SRQ; SRQ and statistics requests; 3: process groups
+#: bytes; the largest is a GROUP_JOIN with its member list
+MAX_CTL_MESSAGE = 65536
 MAX_PRIVATE_DATA = 512  #: rdma_cm's limit for iWARP (MPA, RFC 5044 §7.1)
 MAX_FDS = 4
 REPLY = 0x1
@@ -73,6 +74,12 @@ class Op(enum.IntEnum):
     CM_CONNECT = 24
     CM_DISCONNECT = 25
     CM_DESTROY_LISTENER = 26
+    GROUP_JOIN = 40
+    GROUP_LEAVE = 41
+    LOCK_ACQUIRE = 42
+    LOCK_TRY = 43
+    LOCK_RELEASE = 44
+    BARRIER = 45
 
 
 class Layout:
@@ -154,6 +161,14 @@ REQUESTS: dict[Op, Layout] = {
     ),
     Op.CM_DISCONNECT: Layout("CmDisconnect", "I", "qp_num"),
     Op.CM_DESTROY_LISTENER: Layout("CmDestroyListener", "I", "listener_handle"),
+    # A group's connection is its own: the rank it joins as is its identity
+    # there; the tail is the name and the member list (encode_members).
+    Op.GROUP_JOIN: Layout("GroupJoin", "IIIII", "version rank size timeout_ms join_timeout_ms", tail=True),
+    Op.GROUP_LEAVE: _E,
+    Op.LOCK_ACQUIRE: Layout("LockAcquire", "II", "lock_id timeout_ms"),  # timeout 0: wait until granted
+    Op.LOCK_TRY: Layout("LockTry", "I", "lock_id"),
+    Op.LOCK_RELEASE: Layout("LockRelease", "I", "lock_id"),
+    Op.BARRIER: Layout("Barrier", "II", "algorithm arity"),
 }
 
 REPLIES: dict[Op, Layout] = {
@@ -199,7 +214,71 @@ REPLIES: dict[Op, Layout] = {
     Op.CM_CONNECT: Layout("CmConnectRep", "III", "remote_qpn ord ird", tail=True),
     Op.CM_DISCONNECT: _E,
     Op.CM_DESTROY_LISTENER: _E,
+    Op.GROUP_JOIN: Layout("GroupJoinRep", "III", "group_id daemons local_ranks"),
+    Op.GROUP_LEAVE: _E,
+    Op.LOCK_ACQUIRE: _E,
+    Op.LOCK_TRY: Layout("LockTryRep", "I", "granted"),
+    Op.LOCK_RELEASE: _E,
+    Op.BARRIER: Layout("BarrierRep", "I", "generation"),
 }
+
+#: the most ranks a group may have, and the longest group name (UTF-8 bytes)
+MAX_GROUP_SIZE = 4096
+MAX_GROUP_NAME = 255
+_MEMBER = struct.Struct("!16sH")
+
+
+def encode_members(name: str, members: list[tuple[str, int]]) -> bytes:
+    """GROUP_JOIN's tail: name length u16, name, member count u32, then the
+    distinct daemons (count u32, each GID + UDP port) and each rank's daemon
+    index (u16), so a large group of few daemons stays small.
+
+    Raises:
+        ValueError: a name or member list out of range, or a bad address.
+    """
+    raw = name.encode()
+    if not raw or len(raw) > MAX_GROUP_NAME or not 0 < len(members) <= MAX_GROUP_SIZE:
+        raise ValueError("a group needs a name of 1..255 bytes and 1..4096 members")
+    daemons: dict[tuple[str, int], int] = {}
+    index = [daemons.setdefault((ip, port), len(daemons)) for ip, port in members]
+    out = [struct.pack("!H", len(raw)), raw, struct.pack("!II", len(members), len(daemons))]
+    out += [_MEMBER.pack(gid_from_ip(ip), port) for ip, port in daemons]
+    out.append(struct.pack(f"!{len(index)}H", *index))
+    return b"".join(out)
+
+
+def decode_members_untrusted(data: bytes | memoryview) -> tuple[str, list[tuple[str, int]]]:
+    """Parse GROUP_JOIN's tail: ``(name, members)``.
+
+    Raises:
+        WireError: ``truncated``, ``bad_length`` or ``bad_reserved`` (an
+            out-of-range count, index, port or name); nothing else.
+    """
+    data = bytes(data)
+    try:
+        (n,) = struct.unpack_from("!H", data)
+        name = data[2:2 + n].decode()
+        size, nd = struct.unpack_from("!II", data, 2 + n)
+        off = 10 + n
+        daemons = [_MEMBER.unpack_from(data, off + i * _MEMBER.size) for i in range(nd)] if nd <= size else []
+        off += nd * _MEMBER.size
+        index = struct.unpack_from(f"!{size}H", data, off) if size <= MAX_GROUP_SIZE else ()
+    except struct.error:
+        raise WireError("truncated", "group member list") from None
+    except UnicodeDecodeError:
+        raise WireError("bad_reserved", "group name is not UTF-8") from None
+    if not 0 < n <= MAX_GROUP_NAME or len(name.encode()) != n or not 0 < size <= MAX_GROUP_SIZE or not 0 < nd <= size:
+        raise WireError("bad_reserved", "group name or member count out of range")
+    if off + 2 * size != len(data):
+        raise WireError("bad_length", "group member list")
+    try:
+        addrs = [(ip_from_gid(gid), port) for gid, port in daemons]
+    except ValueError:
+        raise WireError("bad_reserved", "member address") from None
+    if any(not 0 < port <= 0xFFFF or ip.startswith("::") and ip != "::1" for ip, port in addrs) \
+            or any(i >= nd for i in index) or len(set(index)) != nd or len(set(addrs)) != nd:
+        raise WireError("bad_reserved", "member daemon out of range")
+    return name, [addrs[i] for i in index]
 
 ERROR = Layout("Error", "I", "text_len", tail=True)
 

@@ -16,9 +16,9 @@ message must say which QP it is for.  The envelope does that::
     +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
 
 ``kind`` says which decoder reads the rest (DDP/RDMAP segment, connection
-management, QP flow control, lock, barrier).  The source QPN lets the
-receiver drop a message that does not come from the QP's connected peer
-(stale after QPN reuse, or misrouted).  QPN 0 is the connection manager.
+management, QP flow control, lock, barrier, group membership).  The source
+QPN lets the receiver drop a message that does not come from the QP's
+connected peer (stale after QPN reuse, or misrouted).  QPN 0 is the connection manager.
 
 ``flags`` carries what the RFC bytes behind it cannot say about a message
 on a multiplexed link.  Two bits are defined, on DDP messages only:
@@ -65,6 +65,7 @@ class Kind(enum.IntEnum):
     FLOW = 3  #: QP-level Modified ACK/NACK (wire/flow.py)
     LOCK = 4  #: RHiNET queue lock (wire/lock.py)
     BARRIER = 5  #: tree barrier (wire/barrier.py)
+    GROUP = 6  #: process-group membership (wire/group.py)
 
 
 _KIND_MAX = max(Kind)

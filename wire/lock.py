@@ -17,15 +17,19 @@ set), which is all trylock needs: ``TRYLOCK_REQ`` to the manager is answered
 ``TRYLOCK_REPLY`` with ``LockStatus.GRANTED`` (the record was empty; the
 requester now holds the lock and is the last requester) or ``BUSY``.
 
-One 16-byte layout::
+Processes are ranks of a process group (``group`` names it on the wire);
+an acquisition is ``(proc, seq)``: the rank and its sequence number for this
+acquisition, echoed in every message about it, so a ``LOCK_FORW`` that
+arrives after the acquisition it names was released is recognised as such
+(the released holder grants the successor at once).  A ``LOCK_FORW`` names
+two acquisitions: the target ``(proc, seq)`` and its successor
+``(succ_proc, succ_seq)``; the others carry zeros there.  One 28-byte layout::
 
-    type u8 | status u8 | reserved u16 (0) | lock id u32 | proc u32 | seq u32
+    type u8 | status u8 | reserved u16 (0) | group u32 | lock id u32 |
+    proc u32 | seq u32 | succ proc u32 | succ seq u32
 
-``proc`` is the requesting process (daemon id and local process packed by
-the lock engine): the one that wants, is forwarded, or is granted the lock.
-``seq`` is the requester's sequence number for this acquisition, echoed in
-every message about it, so late duplicates are recognised.  ``status`` is 0
-except on ``TRYLOCK_REPLY``.
+``status`` is 0 except on ``TRYLOCK_REPLY`` (GRANTED or BUSY) and on
+``LOCK_REPLY`` from a manager whose table is full (``REFUSED``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from .fixed import pack_checked, unpack_typed_untrusted
 
 class LockType(enum.IntEnum):
     LOCK_REQ = 1  #: requester -> manager
-    LOCK_FORW = 2  #: manager -> previous last requester: ``proc`` is your successor
+    LOCK_FORW = 2  #: manager -> previous last requester: ``succ`` is your successor
     LOCK_REPLY = 3  #: holder -> successor (or manager -> requester): you hold the lock
     UNLOCK = 4  #: holder without successor -> manager
     TRYLOCK_REQ = 5  #: requester -> manager
@@ -51,50 +55,61 @@ class LockType(enum.IntEnum):
 
 class LockStatus(enum.IntEnum):
     GRANTED = 0
-    BUSY = 1
+    BUSY = 1  #: TRYLOCK_REPLY: somebody holds or waits
+    REFUSED = 2  #: LOCK_REPLY / TRYLOCK_REPLY from the manager: its lock table is full
 
 
 class LockMessage(NamedTuple):
     ltype: int
+    group: int
     lock_id: int
     proc: int
     seq: int
+    succ_proc: int = 0
+    succ_seq: int = 0
     status: int = LockStatus.GRANTED
 
 
 _TYPES = frozenset(LockType)
-_STATUSES = frozenset(LockStatus)
+_WITH_STATUS = {LockType.TRYLOCK_REPLY: frozenset(LockStatus),
+                LockType.LOCK_REPLY: frozenset((LockStatus.GRANTED, LockStatus.REFUSED))}
 
 LOCK_MESSAGE = c.Struct(
     "type" / c.Int8ub,
     c.Check(lambda ctx: ctx.type in _TYPES),
     "status" / c.Int8ub,
-    c.Check(lambda ctx: ctx.status in _STATUSES if ctx.type == LockType.TRYLOCK_REPLY else ctx.status == 0),
+    c.Check(lambda ctx: _status_ok(ctx.type, ctx.status)),
     "reserved" / c.Const(0, c.Int16ub),
+    "group" / c.Int32ub,
     "lock_id" / c.Int32ub,
     "proc" / c.Int32ub,
     "seq" / c.Int32ub,
+    "succ_proc" / c.Int32ub,
+    "succ_seq" / c.Int32ub,
+    c.Check(lambda ctx: ctx.type == LockType.LOCK_FORW or ctx.succ_proc == ctx.succ_seq == 0),
     c.Terminated,
 )
 
-_LAYOUT = struct.Struct("!BBHIII")
-LOCK_LEN = _LAYOUT.size  # 16
+_LAYOUT = struct.Struct("!BBHIIIIII")
+LOCK_LEN = _LAYOUT.size  # 28
 
 
 def _status_ok(ltype: int, status: int) -> bool:
-    return status in _STATUSES if ltype == LockType.TRYLOCK_REPLY else status == 0
+    allowed = _WITH_STATUS.get(ltype)  # type: ignore[call-overload]
+    return status == 0 if allowed is None else status in allowed
 
 
 def encode(m: LockMessage) -> bytes:
-    """Return the 16-byte wire form of ``m``.
+    """Return the 28-byte wire form of ``m``.
 
     Raises:
-        ValueError: unknown type, a status on a message that has none, or a
-            field out of range.
+        ValueError: unknown type, a status on a message that has none, a
+            successor on a message other than LOCK_FORW, or a field out of range.
     """
-    if m.ltype not in _TYPES or not _status_ok(m.ltype, m.status):
+    if m.ltype not in _TYPES or not _status_ok(m.ltype, m.status) \
+            or (m.ltype != LockType.LOCK_FORW and (m.succ_proc or m.succ_seq)):
         raise ValueError(f"bad lock message {m!r}")
-    return pack_checked(_LAYOUT, m.ltype, m.status, 0, m.lock_id, m.proc, m.seq)
+    return pack_checked(_LAYOUT, m.ltype, m.status, 0, m.group, m.lock_id, m.proc, m.seq, m.succ_proc, m.succ_seq)
 
 
 def decode_untrusted(body: bytes | bytearray | memoryview) -> LockMessage:
@@ -104,9 +119,10 @@ def decode_untrusted(body: bytes | bytearray | memoryview) -> LockMessage:
         WireError: ``bad_length``, ``bad_type``, ``bad_status`` or
             ``bad_reserved``; nothing else.
     """
-    ltype, status, reserved, lock_id, proc, seq = unpack_typed_untrusted(body, _LAYOUT, _TYPES, "lock message")
-    if reserved:
+    ltype, status, reserved, group, lock_id, proc, seq, succ_proc, succ_seq = \
+        unpack_typed_untrusted(body, _LAYOUT, _TYPES, "lock message")
+    if reserved or (ltype != LockType.LOCK_FORW and (succ_proc or succ_seq)):
         raise WireError("bad_reserved", "lock message")
     if not _status_ok(ltype, status):
         raise WireError("bad_status", f"lock type {ltype} status {status}")
-    return LockMessage(ltype, lock_id, proc, seq, status)
+    return LockMessage(ltype, group, lock_id, proc, seq, succ_proc, succ_seq, status)

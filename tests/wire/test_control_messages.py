@@ -1,4 +1,4 @@
-"""Connection management, QP flow control, lock and barrier messages."""
+"""Connection management, QP flow control, lock, barrier and group messages."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from udpverbs.wire import barrier, cm, flow, lock
-from udpverbs.wire.barrier import BarrierMessage, BarrierType
+from udpverbs.wire import barrier, cm, flow, group, lock
+from udpverbs.wire.barrier import Algorithm, BarrierMessage, BarrierType
 from udpverbs.wire.cm import Accept, ConnectRequest, Disconnect, Reject, RejectReason
 from udpverbs.wire.errors import WireError
 from udpverbs.wire.flow import FlowMessage, FlowType
+from udpverbs.wire.group import GroupMessage, GroupType, LeaveStatus
 from udpverbs.wire.lock import LockMessage, LockStatus, LockType
 
 from .strategies import SETTINGS, reference_parser, assert_flips_detected, mutated, outcome, u16, u32
@@ -35,16 +36,27 @@ KNOWN: list[tuple[Any, str]] = [
     (FlowMessage(FlowType.RNR_NACK, 5, 100), "02000000" "00000005" "00000064"),
     (FlowMessage(FlowType.RESUME, 5), "03000000" "00000005" "00000000"),
     (FlowMessage(FlowType.ACK, 6), "01000000" "00000006" "00000000"),
-    # lock: type | status | rsvd | lock id | proc | seq
-    (LockMessage(LockType.LOCK_REQ, 1, 0x10002, 3), "01000000" "00000001" "00010002" "00000003"),
-    (LockMessage(LockType.LOCK_FORW, 1, 0x10003, 4), "02000000" "00000001" "00010003" "00000004"),
-    (LockMessage(LockType.LOCK_REPLY, 1, 0x10003, 4), "03000000" "00000001" "00010003" "00000004"),
-    (LockMessage(LockType.UNLOCK, 1, 0x10002, 3), "04000000" "00000001" "00010002" "00000003"),
-    (LockMessage(LockType.TRYLOCK_REQ, 1, 0x10002, 5), "05000000" "00000001" "00010002" "00000005"),
-    (LockMessage(LockType.TRYLOCK_REPLY, 1, 0x10002, 5, LockStatus.BUSY), "06010000" "00000001" "00010002" "00000005"),
-    # barrier: type | rsvd | rsvd | barrier id | generation | rank
-    (BarrierMessage(BarrierType.ARRIVE, 2, 10, 3), "01000000" "00000002" "0000000a" "00000003"),
-    (BarrierMessage(BarrierType.RELEASE, 2, 10, 0), "02000000" "00000002" "0000000a" "00000000"),
+    # lock: type | status | rsvd | group | lock id | proc | seq | succ proc | succ seq
+    (LockMessage(LockType.LOCK_REQ, 9, 1, 2, 3), "01000000" "00000009" "00000001" "00000002" "00000003" "00000000" "00000000"),
+    (LockMessage(LockType.LOCK_FORW, 9, 1, 2, 3, 4, 5),
+     "02000000" "00000009" "00000001" "00000002" "00000003" "00000004" "00000005"),
+    (LockMessage(LockType.LOCK_REPLY, 9, 1, 4, 5), "03000000" "00000009" "00000001" "00000004" "00000005" "00000000" "00000000"),
+    (LockMessage(LockType.LOCK_REPLY, 9, 1, 4, 5, status=LockStatus.REFUSED),
+     "03020000" "00000009" "00000001" "00000004" "00000005" "00000000" "00000000"),
+    (LockMessage(LockType.UNLOCK, 9, 1, 2, 3), "04000000" "00000009" "00000001" "00000002" "00000003" "00000000" "00000000"),
+    (LockMessage(LockType.TRYLOCK_REQ, 9, 1, 2, 6), "05000000" "00000009" "00000001" "00000002" "00000006" "00000000" "00000000"),
+    (LockMessage(LockType.TRYLOCK_REPLY, 9, 1, 2, 6, status=LockStatus.BUSY),
+     "06010000" "00000009" "00000001" "00000002" "00000006" "00000000" "00000000"),
+    # barrier: type | algorithm | arity | round | group | generation | sender
+    (BarrierMessage(BarrierType.ARRIVE, Algorithm.TREE, 2, 0, 9, 10, 3), "01010200" "00000009" "0000000a" "00000003"),
+    (BarrierMessage(BarrierType.RELEASE, Algorithm.TREE, 4, 0, 9, 10, 0), "02010400" "00000009" "0000000a" "00000000"),
+    (BarrierMessage(BarrierType.ARRIVE, Algorithm.DISSEMINATION, 0, 2, 9, 10, 1), "01020002" "00000009" "0000000a" "00000001"),
+    (BarrierMessage(BarrierType.RELEASE, Algorithm.CENTRAL, 0, 0, 9, 1, 0), "02030000" "00000009" "00000001" "00000000"),
+    # group: type | status | rsvd | group | rank | generation
+    (GroupMessage(GroupType.JOIN, 9, 3), "01000000" "00000009" "00000003" "00000000"),
+    (GroupMessage(GroupType.LEAVE, 9, 3, 7, LeaveStatus.DIED), "02010000" "00000009" "00000003" "00000007"),
+    (GroupMessage(GroupType.PING, 9), "03000000" "00000009" "00000000" "00000000"),
+    (GroupMessage(GroupType.PONG, 9), "04000000" "00000009" "00000000" "00000000"),
 ]
 
 CODEC: dict[type, tuple[Callable[[Any], bytes], Callable[[bytes], Any], c.Construct]] = {
@@ -55,6 +67,7 @@ CODEC: dict[type, tuple[Callable[[Any], bytes], Callable[[bytes], Any], c.Constr
     FlowMessage: (flow.encode, flow.decode_untrusted, flow.FLOW_MESSAGE),
     LockMessage: (lock.encode, lock.decode_untrusted, lock.LOCK_MESSAGE),
     BarrierMessage: (barrier.encode, barrier.decode_untrusted, barrier.BARRIER_MESSAGE),
+    GroupMessage: (group.encode, group.decode_untrusted, group.GROUP_MESSAGE),
 }
 
 
@@ -95,13 +108,25 @@ flow_messages = st.one_of(
 )
 lock_messages = st.one_of(
     st.builds(
-        lambda t, lock_id, proc, seq: LockMessage(t, lock_id, proc, seq),
-        st.sampled_from([t for t in LockType if t != LockType.TRYLOCK_REPLY]), u32, u32, u32,
+        lambda t, *f: LockMessage(t, *f),
+        st.sampled_from([LockType.LOCK_REQ, LockType.UNLOCK, LockType.TRYLOCK_REQ]), u32, u32, u32, u32,
     ),
-    st.builds(LockMessage, st.just(LockType.TRYLOCK_REPLY), u32, u32, u32, st.sampled_from(sorted(LockStatus))),
+    st.builds(lambda *f: LockMessage(LockType.LOCK_FORW, *f), u32, u32, u32, u32, u32, u32),
+    st.builds(lambda *f: LockMessage(LockType.LOCK_REPLY, *f[:4], status=f[4]), u32, u32, u32, u32,
+              st.sampled_from([LockStatus.GRANTED, LockStatus.REFUSED])),
+    st.builds(lambda *f: LockMessage(LockType.TRYLOCK_REPLY, *f[:4], status=f[4]), u32, u32, u32, u32,
+              st.sampled_from(sorted(LockStatus))),
 )
-barrier_messages = st.builds(BarrierMessage, st.sampled_from(sorted(BarrierType)), u32, u32, u32)
-
+barrier_messages = st.one_of(
+    st.builds(lambda t, *f: BarrierMessage(t, Algorithm.TREE, f[0], 0, *f[1:]), st.sampled_from(sorted(BarrierType)),
+              st.integers(2, 255), u32, u32, u32),
+    st.builds(lambda *f: BarrierMessage(BarrierType.ARRIVE, Algorithm.DISSEMINATION, 0, *f), st.integers(0, 31), u32, u32, u32),
+    st.builds(lambda t, *f: BarrierMessage(t, Algorithm.CENTRAL, 0, 0, *f), st.sampled_from(sorted(BarrierType)), u32, u32, u32),
+)
+group_messages = st.one_of(
+    st.builds(lambda t, *f: GroupMessage(t, *f), st.sampled_from([GroupType.JOIN, GroupType.PING, GroupType.PONG]), u32, u32, u32),
+    st.builds(lambda *f: GroupMessage(GroupType.LEAVE, *f), u32, u32, u32, st.sampled_from(sorted(LeaveStatus))),
+)
 
 def _ref_cm(m: Any) -> bytes:
     fixed = {k: v for k, v in m._asdict().items() if k not in ("request_id", "private_data")}
@@ -131,8 +156,9 @@ FAMILIES = [
     (lock_messages, lock.encode, lock.decode_untrusted, lock.LOCK_MESSAGE, _ref_fields(lock.LOCK_MESSAGE, {"ltype": "type"})),
     (barrier_messages, barrier.encode, barrier.decode_untrusted, barrier.BARRIER_MESSAGE,
      _ref_fields(barrier.BARRIER_MESSAGE, {"btype": "type"})),
+    (group_messages, group.encode, group.decode_untrusted, group.GROUP_MESSAGE, _ref_fields(group.GROUP_MESSAGE, {"gtype": "type"})),
 ]
-FAMILY_IDS = ["cm", "flow", "lock", "barrier"]
+FAMILY_IDS = ["cm", "flow", "lock", "barrier", "group"]
 
 
 @pytest.mark.parametrize(("values", "enc", "dec", "ref", "ref_build"), FAMILIES, ids=FAMILY_IDS)
@@ -174,13 +200,24 @@ def test_fast_decoder_rejects_what_construct_rejects(
         (flow.decode_untrusted, "04000000" "00000005" "00000000", "bad_type"),
         (flow.decode_untrusted, "03000000" "00000005" "00000001", "bad_reserved"),  # back-off on RESUME
         (flow.decode_untrusted, "02000100" "00000005" "00000001", "bad_reserved"),
-        (lock.decode_untrusted, "07000000" "00000001" "00000002" "00000003", "bad_type"),
-        (lock.decode_untrusted, "01010000" "00000001" "00000002" "00000003", "bad_status"),
-        (lock.decode_untrusted, "06020000" "00000001" "00000002" "00000003", "bad_status"),
-        (lock.decode_untrusted, "01000001" "00000001" "00000002" "00000003", "bad_reserved"),
-        (barrier.decode_untrusted, "00000000" "00000001" "00000002" "00000003", "bad_type"),
-        (barrier.decode_untrusted, "01800000" "00000001" "00000002" "00000003", "bad_reserved"),
-        (barrier.decode_untrusted, "01000000" "00000001" "00000002", "bad_length"),
+        (lock.decode_untrusted, "07000000" + "00000001" * 6, "bad_type"),
+        (lock.decode_untrusted, "01010000" + "00000001" * 4 + "00000000" * 2, "bad_status"),
+        (lock.decode_untrusted, "03010000" + "00000001" * 4 + "00000000" * 2, "bad_status"),  # BUSY on a grant
+        (lock.decode_untrusted, "06030000" + "00000001" * 4 + "00000000" * 2, "bad_status"),
+        (lock.decode_untrusted, "01000001" + "00000001" * 4 + "00000000" * 2, "bad_reserved"),
+        (lock.decode_untrusted, "03000000" + "00000001" * 5 + "00000000", "bad_reserved"),  # a successor on a grant
+        (lock.decode_untrusted, "01000000" + "00000001" * 4, "bad_length"),
+        (barrier.decode_untrusted, "00010200" "00000001" "00000002" "00000003", "bad_type"),
+        (barrier.decode_untrusted, "01040000" "00000001" "00000002" "00000003", "bad_reserved"),  # no such algorithm
+        (barrier.decode_untrusted, "01010100" "00000001" "00000002" "00000003", "bad_reserved"),  # arity 1
+        (barrier.decode_untrusted, "01010201" "00000001" "00000002" "00000003", "bad_reserved"),  # a round on a tree
+        (barrier.decode_untrusted, "02020000" "00000001" "00000002" "00000003", "bad_reserved"),  # RELEASE in dissemination
+        (barrier.decode_untrusted, "01020020" "00000001" "00000002" "00000003", "bad_reserved"),  # round 32
+        (barrier.decode_untrusted, "01010200" "00000001" "00000002", "bad_length"),
+        (group.decode_untrusted, "05000000" "00000001" "00000002" "00000003", "bad_type"),
+        (group.decode_untrusted, "01010000" "00000001" "00000002" "00000003", "bad_status"),
+        (group.decode_untrusted, "02020000" "00000001" "00000002" "00000003", "bad_status"),
+        (group.decode_untrusted, "03000100" "00000001" "00000002" "00000003", "bad_reserved"),
     ],
 )
 def test_malformed_reason(dec: Any, hexstr: str, reason: str) -> None:
@@ -197,15 +234,22 @@ def test_encoders_refuse_caller_mistakes() -> None:
     with pytest.raises(ValueError):
         flow.encode(FlowMessage(FlowType.ACK, 1, 5))
     with pytest.raises(ValueError):
-        lock.encode(LockMessage(LockType.LOCK_REQ, 1, 2, 3, LockStatus.BUSY))
+        lock.encode(LockMessage(LockType.LOCK_REQ, 1, 2, 3, 4, status=LockStatus.BUSY))
     with pytest.raises(ValueError):
-        barrier.encode(BarrierMessage(9, 1, 2, 3))
+        lock.encode(LockMessage(LockType.UNLOCK, 1, 2, 3, 4, succ_proc=5))
     with pytest.raises(ValueError):
-        barrier.encode(BarrierMessage(BarrierType.ARRIVE, 1 << 32, 2, 3))
+        barrier.encode(BarrierMessage(9, Algorithm.TREE, 2, 0, 1, 2, 3))
+    with pytest.raises(ValueError):
+        barrier.encode(BarrierMessage(BarrierType.ARRIVE, Algorithm.TREE, 1, 0, 1, 2, 3))
+    with pytest.raises(ValueError):
+        barrier.encode(BarrierMessage(BarrierType.ARRIVE, Algorithm.CENTRAL, 0, 0, 1 << 32, 2, 3))
+    with pytest.raises(ValueError):
+        group.encode(GroupMessage(GroupType.PING, 1, status=1))
 
 
 @SETTINGS
 @given(st.binary(max_size=40))
 def test_arbitrary_bytes_raise_only_wire_error(data: bytes) -> None:
-    for dec in (cm.decode_untrusted, flow.decode_untrusted, lock.decode_untrusted, barrier.decode_untrusted):
+    for dec in (cm.decode_untrusted, flow.decode_untrusted, lock.decode_untrusted, barrier.decode_untrusted,
+                group.decode_untrusted):
         outcome(dec, data)

@@ -119,7 +119,7 @@ def test_envelope_fast_agrees_with_construct(data: bytes) -> None:
 
 @pytest.mark.parametrize(("data", "reason"), [
     (bytes.fromhex("00000102" "00abcdef"), "bad_kind"),
-    (bytes.fromhex("06000102" "00abcdef"), "bad_kind"),
+    (bytes.fromhex("07000102" "00abcdef"), "bad_kind"),
     (bytes.fromhex("01000102" "04abcdef"), "bad_reserved"),  # no such flag
     (bytes.fromhex("01000102" "02abcdef" "000000"), "truncated"),  # FLOW_ACK without its trailer
     (bytes.fromhex("03000102" "02abcdef" "00000000"), "bad_reserved"),  # FLOW_ACK on a FLOW message
