@@ -69,7 +69,7 @@ def main():
         # Set-up: rank 0 listens, then the others connect to it.
         if group.rank == 0:
             COUNTER.pack_into(mr.mv, 0, 0)
-            listener = verbs.CMListener(ctx, SERVICE_PORT, backlog=max(group.size, 1))
+            listener = verbs.CMListener(ctx, SERVICE_PORT, backlog=group.size)
             group.barrier()  # rank 0 listens
             for _ in range(group.size - 1):
                 req = listener.get_request(timeout=60)

@@ -54,13 +54,14 @@ def test_counter_with_lock_loses_nothing() -> None:
 
 
 def test_counter_without_lock_loses_updates() -> None:
-    # 16 ranks released together by a barrier interleave their reads and
-    # writes all the time: a run loses most of its updates, not a few.
+    # Ranks released together by a barrier interleave their reads and writes
+    # all the time: a run loses most of its updates, not a few (16 ranks lost
+    # 70 to 80% of them, 8 ranks 50 to 60%).
     iters = 40
-    rc, out = launch(16, 4, "counter.py", "--iters", str(iters), "--no-lock")
+    rc, out = launch(8, 2, "counter.py", "--iters", str(iters), "--no-lock")
     assert rc == 0, out
     counter, expected = counter_of(out)
-    assert expected == 16 * iters
+    assert expected == 8 * iters
     assert 0 < counter < expected, out
     assert f"{expected - counter} updates lost without the lock" in out
 
@@ -107,5 +108,3 @@ def test_cannon_16_ranks() -> None:
 def test_cannon_refuses_other_sizes() -> None:
     rc, out = launch(2, 1, "cannon.py", "-N", "8")
     assert rc == 2 and "needs a square number of ranks" in out, out
-    rc, out = launch(4, 1, "cannon.py", "-N", "7")
-    assert rc == 2 and "-N 7 must be a positive multiple of q = 2" in out, out
