@@ -154,12 +154,15 @@ def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def spawn(argv: Sequence[str], *, stdout: int | IO[bytes] | None = None, cpus: frozenset[int] | None = None) -> Child:
+def spawn(argv: Sequence[str], *, stdout: int | IO[bytes] | None = None, cpus: frozenset[int] | None = None,
+          own_group: bool = False) -> Child:
     """Start a child that will report readiness on an inherited pipe.
 
     Takes: the command line, where ``{ready_fd}`` in any argument is replaced
     by the number of the pipe's write end; where its stdout goes (its stderr
-    is ours, so its errors are seen); the CPUs to pin it to (None: any).
+    is ours, so its errors are seen); the CPUs to pin it to (None: any);
+    whether it gets a process group of its own (so that a terminal's Ctrl-C
+    reaches only us, and we stop it in our order).
     Returns: the :class:`Child`; call ``wait_ready`` (several children may
     start at once and be waited for in turn).
     Raises: LocalRunError if it cannot be pinned (it is stopped first).
@@ -167,7 +170,8 @@ def spawn(argv: Sequence[str], *, stdout: int | IO[bytes] | None = None, cpus: f
     r, w = os.pipe()
     try:
         args = [a.replace("{ready_fd}", str(w)) for a in argv]
-        proc = subprocess.Popen(args, pass_fds=(w,), stdout=stdout, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(args, pass_fds=(w,), stdout=stdout, stdin=subprocess.DEVNULL,
+                                process_group=0 if own_group else None)
     except BaseException:
         os.close(r)
         os.close(w)
@@ -208,17 +212,32 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -
 
     Returns: its exit status (None if it could not be reaped).
     """
-    if proc.poll() is None:
-        proc.terminate()
+    return stop_processes([proc], grace_s)[0]
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> list[int | None]:
+    """Stop children we started, by pid, all at once: SIGTERM to each, then
+    SIGKILL to those still running ``grace_s`` later (one grace for all, not
+    one each).
+
+    Returns: their exit statuses, in order (None where one could not be reaped).
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    codes: list[int | None] = []
+    for proc in procs:
         try:
-            proc.wait(grace_s)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                return None
-    return proc.returncode
+                pass
+        codes.append(proc.returncode)
+    return codes
 
 
 def wait_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
@@ -271,13 +290,15 @@ def server_port(child: Child) -> int:
 LOCAL_DAEMON_FLAGS = ("--name", "--addr", "--port", "--socket", "--mtu", "--ready-fd", "--config")
 
 
-def check_daemon_args(args: Sequence[str]) -> list[str]:
-    """Check the flags ``--daemon-arg`` passes to both local daemons, as the
+def check_daemon_args(args: Sequence[str], setter: str = "--local") -> list[str]:
+    """Check the flags ``--daemon-arg`` passes to the local daemons, as the
     daemon itself would, before anything starts.
 
+    Takes: the flags; who sets the daemons' own flags, for the messages
+    (``--local``, or ``udpverbs run``, which starts them the same way).
     Returns: the flags.
     Raises: ValueError naming the problem: a flag the daemon does not know
-    or a bad value (an unknown ``--cc``, say), or one ``--local`` sets
+    or a bad value (an unknown ``--cc``, say), or one ``setter`` sets
     itself (abbreviated too, as argparse accepts ``--mt``).
     """
     from ..daemon import config as dconfig
@@ -288,9 +309,9 @@ def check_daemon_args(args: Sequence[str]) -> list[str]:
         for flag in LOCAL_DAEMON_FLAGS:  # before configure reads a --config file
             if getattr(given, flag[2:].replace("-", "_")) is not None:
                 if flag == "--config":
-                    raise ValueError("a --config file could set what --local sets; pass its settings as flags")
-                why = " (-m sets the MTU)" if flag == "--mtu" else ""
-                raise ValueError(f"--local sets {flag} itself{why}")
+                    raise ValueError(f"a --config file could set what {setter} sets; pass its settings as flags")
+                why = " (-m sets the MTU)" if flag == "--mtu" and setter == "--local" else ""
+                raise ValueError(f"{setter} sets {flag} itself{why}")
         dconfig.configure(args, exit_on_error=False)
     except ValueError as e:
         raise ValueError(f"--daemon-arg: {e}") from None

@@ -124,6 +124,9 @@ class BarrierEngine:
         if not self.done < m.generation <= self.done + 2:
             self.stats["barrier_stale"] += 1
             return
+        if m.btype == BarrierType.ABORT:
+            self.fail(f"members disagree on barrier {m.generation} (daemon {sender} saw it)")
+            return
         g = self._gen(m.generation, m.algorithm, m.arity)
         if g is None:
             return
@@ -152,6 +155,10 @@ class BarrierEngine:
             g = self.gens[generation] = _Generation(algorithm, arity)
         elif (g.algorithm, g.arity) != (algorithm, arity):
             names = {a.value: a.name.lower() for a in Algorithm}
+            for d in range(self.m):  # so that every member fails, not only the ones that saw it
+                if d != self.me:
+                    self.out.append((d, BarrierMessage(BarrierType.ABORT, g.algorithm, g.arity, 0, self.group,
+                                                       generation, self.me)))
             self.fail(f"members disagree on barrier {generation}: {names.get(g.algorithm)}"
                       f"/{g.arity} against {names.get(algorithm)}/{arity}")
             return None

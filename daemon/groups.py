@@ -64,6 +64,10 @@ MAX_GROUPS = 1024
 #: the errno of a group error reply; its private data is the rank (u32)
 GROUP_ERRNO = errno.ECONNABORTED
 NO_RANK = 0xFFFFFFFF
+#: while a rank waits, its daemon pings the group's other daemons every
+#: PING_EVERY of the group's timeout and counts one silent for SILENT of it as dead
+PING_EVERY = 0.125
+SILENT = 0.75
 _RANK = struct.Struct("!I")
 
 
@@ -78,19 +82,21 @@ class GroupFailure(TableError):
 class Wait:
     """A request of a local rank that is answered later."""
 
-    __slots__ = ("op", "key", "deadline", "since")
+    __slots__ = ("op", "key", "deadline", "since", "known_dead")
 
-    def __init__(self, op: Op, key: int, since: float, deadline: float) -> None:
+    def __init__(self, op: Op, key: int, since: float, deadline: float, known_dead: frozenset[int] = frozenset()) -> None:
         self.op = op
         self.key = key  # the lock id, or the barrier generation
         self.since = since
         self.deadline = deadline
+        #: the members its rank had been told were gone when it asked
+        self.known_dead = known_dead
 
 
 class Member:
     """A rank served by this daemon."""
 
-    __slots__ = ("group", "rank", "sess", "wait", "released", "gone")
+    __slots__ = ("group", "rank", "sess", "wait", "released", "gone", "told")
 
     def __init__(self, group: "Group", rank: int, sess: Any) -> None:
         self.group = group
@@ -99,6 +105,8 @@ class Member:
         self.wait: Wait | None = None
         self.released = 0  # the last barrier generation this rank left
         self.gone = False
+        #: members whose death or leave this rank has been told of (an error reply)
+        self.told: set[int] = set()
 
 
 class Group:
@@ -170,7 +178,8 @@ class GroupService:
                 rank, why = g.locks_broken
                 raise GroupFailure(rank, why)
             timeout = req.timeout_ms / 1000 if op == Op.LOCK_ACQUIRE and req.timeout_ms else float("inf")
-            m.wait = Wait(op, req.lock_id, now, now + timeout)
+            m.wait = Wait(op, req.lock_id, now, now + timeout, frozenset(m.told))
+            self.stats["group_lock_waits"] += 1
             try:
                 (g.lock.acquire if op == Op.LOCK_ACQUIRE else g.lock.trylock)(m.rank, req.lock_id)
             except LockUsageError as e:
@@ -184,6 +193,7 @@ class GroupService:
             if lim is not None and gen > lim[0]:
                 raise GroupFailure(lim[1], lim[2])
             m.wait = Wait(op, gen, now, float("inf"))
+            self.stats["group_barrier_waits"] += 1
             try:
                 g.barrier.arrive(gen, req.algorithm, req.arity)
             except BarrierUsageError as e:
@@ -265,6 +275,7 @@ class GroupService:
         m.gone = True
         m.wait = None
         g.lock.rank_gone(m.rank)
+        self._flush(g)  # the locks it passes on travel ahead of the news on every link
         for d in range(len(g.daemons)):
             if d != g.me and d not in g.dead_daemons:
                 self._send_group(g, d, GroupMessage(GroupType.LEAVE, g.gid, m.rank, m.released, status))
@@ -398,19 +409,27 @@ class GroupService:
         for d, bm in br.out:
             self._send_to_daemon(g, d, Kind.BARRIER, wbarrier.encode(bm))
         br.out.clear()
-        for ev in lk.events:
+        while lk.events:
+            ev = lk.events.pop(0)
             m = g.local.get(ev.rank)
             w = m.wait if m is not None else None
             if w is None or w.key != ev.lock_id or w.op not in (Op.LOCK_ACQUIRE, Op.LOCK_TRY):
+                if lk.holds(ev.rank, ev.lock_id):  # nobody waits for this grant any more
+                    lk.release(ev.rank, ev.lock_id, ev.dead)
+                    self._flush(g)
                 continue
             m.wait = None
-            if ev.status == LockStatus.REFUSED:
+            if ev.status == LockStatus.OWNER_DIED and ev.dead not in w.known_dead:
+                lk.release(ev.rank, ev.lock_id, ev.dead)
+                self._fail(m, ev.dead, f"rank {ev.dead} died holding lock {ev.lock_id}: "
+                                       "the data it protected may be half-updated", op=w.op)
+                self._flush(g)
+            elif ev.status == LockStatus.REFUSED:
                 self._reply(m, ctl.encode_error(w.op, errno.ENOMEM, f"the manager of lock {w.key} has no room"))
             elif w.op == Op.LOCK_TRY:
                 self._reply(m, ctl.encode_reply(Op.LOCK_TRY, granted=int(ev.status == LockStatus.GRANTED)))
             else:
                 self._reply(m, ctl.encode_reply(Op.LOCK_ACQUIRE))
-        lk.events.clear()
         for gen in br.released:
             for m in g.local.values():
                 if not m.gone and m.released < gen:
@@ -419,10 +438,18 @@ class GroupService:
                         m.wait = None
                         self._reply(m, ctl.encode_reply(Op.BARRIER, generation=gen))
         br.released.clear()
+        if br.failure:  # the members disagreed on a barrier's algorithm or arity
+            for m in list(g.local.values()):
+                if m.wait is not None and m.wait.op == Op.BARRIER:
+                    self._fail(m, -1, br.failure)
+            if g.barrier_limit is None or g.barrier_limit[0] > br.done:
+                g.barrier_limit = (br.done, -1, br.failure)
 
-    def _fail(self, m: Member, rank: int, why: str) -> None:
-        op = m.wait.op if m.wait is not None else Op.GROUP_JOIN
+    def _fail(self, m: Member, rank: int, why: str, op: Op | None = None) -> None:
+        if op is None:
+            op = m.wait.op if m.wait is not None else Op.GROUP_JOIN
         m.wait = None
+        m.told.add(rank)
         e = GroupFailure(rank, why)
         self._reply(m, ctl.encode_error(op, e.errno, str(e), e.private_data))
 
@@ -461,21 +488,24 @@ class GroupService:
         past the timeout; returns when to tick next."""
         nxt = float("inf")
         for g in list(self.groups.values()):
-            waits = [m.wait for m in g.local.values() if m.wait is not None]
-            if not waits:
+            # Joining has its own timeout: a daemon whose ranks start late is not dead.
+            waits = [m.wait for m in g.local.values() if m.wait is not None and m.wait.op != Op.GROUP_JOIN]
+            if not waits and not any(m.wait is not None for m in g.local.values()):
                 continue
-            period = g.timeout_s / 4
-            since = min(w.since for w in waits)
+            # Silence past SILENT of the timeout is death, so that the
+            # error reaches the waiting ranks within the timeout.
+            period, silent = g.timeout_s * PING_EVERY, g.timeout_s * SILENT
+            since = min((w.since for w in waits), default=now)
             for d in range(len(g.daemons)):
-                if d == g.me or d in g.dead_daemons:
+                if not waits or d == g.me or d in g.dead_daemons:
                     continue
                 heard = max(g.heard.get(d, since), since)
-                if now - heard > g.timeout_s:
-                    self._daemon_gone(g, d, f"did not answer for {g.timeout_s:g} s")
+                if now - heard > silent:
+                    self._daemon_gone(g, d, f"did not answer for {silent:.3g} s")
                     continue
                 if now - g.heard.get(d, 0.0) >= period:
                     self._send_group(g, d, GroupMessage(GroupType.PING, g.gid))
-                nxt = min(nxt, now + period, heard + g.timeout_s + 1e-3)
+                nxt = min(nxt, now + period, heard + silent + 1e-3)
             for m in list(g.local.values()):
                 w = m.wait
                 if w is None:

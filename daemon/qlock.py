@@ -33,8 +33,13 @@ caller as last requester and answers GRANTED; otherwise BUSY.
 
 An acquisition whose rank gives up (its process died, or its wait failed
 with a group error or timed out) is *abandoned*: it stays in the queue, and
-when the lock reaches it, it is released at once; a dead rank's held locks
-are released at once.  So the lock passes on, and the others can use it.
+when the lock reaches it, it is released at once; asking again takes it
+back.  A dead rank's held locks are released at once, the grant marked
+OWNER_DIED (naming it), and the mark travels with the lock through every
+abandoned acquisition until it reaches a rank that waits: that rank's wait
+ends in an error (what the lock protected may be half-updated) unless it
+already knew of the death, and it passes the lock on, marked, in turn.
+So the others learn of the death and can use the lock again.
 
 Messages to this daemon (a lock it manages, a rank it serves) are handled
 in place, in order; :attr:`LockEngine.out` collects the ones for other
@@ -67,7 +72,7 @@ class LockState(enum.Enum):
 
 class LockEvent(enum.Enum):
     FORW = "forw"  #: the manager names our successor
-    GRANT = "grant"  #: LOCK_REPLY / TRYLOCK_REPLY GRANTED
+    GRANT = "grant"  #: LOCK_REPLY / TRYLOCK_REPLY GRANTED (or OWNER_DIED)
     BUSY = "busy"  #: TRYLOCK_REPLY BUSY
     REFUSED = "refused"  #: the manager's table is full
     RELEASE = "release"  #: the rank (or its abandonment) lets go
@@ -99,11 +104,14 @@ class LockUsageError(Exception):
 
 
 class Outcome(NamedTuple):
-    """What a waiting rank learns: its acquisition ``lock_id`` ended ``status``."""
+    """What a waiting rank learns: its acquisition ``lock_id`` ended
+    ``status``; with OWNER_DIED (the rank holds the lock), ``dead`` is the
+    rank that died holding it."""
 
     rank: int
     lock_id: int
     status: LockStatus
+    dead: int = -1
 
 
 class Acquisition:
@@ -138,6 +146,10 @@ class LockEngine:
         self._per_rank: collections.Counter[int] = collections.Counter()
         self._seq: dict[int, int] = {}
         self.dead: set[int] = set()
+        #: (rank, lock id) released with no successor known while passing
+        #: on a death -> the dead rank: a LOCK_FORW that crossed the UNLOCK
+        #: passes the lock on as OWNER_DIED too
+        self.died_holding: dict[tuple[int, int], int] = {}
         #: (daemon index, message) for other daemons, in send order
         self.out: list[tuple[int, LockMessage]] = []
         self.events: list[Outcome] = []
@@ -153,26 +165,42 @@ class LockEngine:
     def acquire(self, rank: int, lock_id: int) -> None:
         """Ask for ``lock_id``; an :class:`Outcome` reports the grant.
 
+        A wait the rank gave up (a group error, a timeout) is still queued:
+        asking again takes it back, keeping its place.
+
         Raises:
             LockUsageError: the rank already holds or waits for it (EDEADLK),
-                or has too many acquisitions (ENOMEM).
+                has too many acquisitions (ENOMEM), or a trylock of it is
+                still unanswered (EAGAIN).
         """
+        a = self.acq.get((rank, lock_id))
+        if a is not None and a.abandoned and rank not in self.dead:
+            if a.state == S.TRYING:
+                raise LockUsageError(11, f"a trylock of lock {lock_id} is still unanswered")  # EAGAIN
+            a.abandoned = False
+            return
         seq = self._start(rank, lock_id, S.WAIT)
         self._send(self.manager_of(lock_id), LockMessage(LockType.LOCK_REQ, self.group, lock_id, rank, seq))
         self._drain()
 
     def trylock(self, rank: int, lock_id: int) -> None:
         """Ask the manager whether ``lock_id`` is free; the Outcome is GRANTED or BUSY."""
+        a = self.acq.get((rank, lock_id))
+        if a is not None and a.abandoned:  # our own given-up wait is queued: not free
+            self.events.append(Outcome(rank, lock_id, LockStatus.BUSY))
+            return
         seq = self._start(rank, lock_id, S.TRYING)
         self._send(self.manager_of(lock_id), LockMessage(LockType.TRYLOCK_REQ, self.group, lock_id, rank, seq))
         self._drain()
 
-    def release(self, rank: int, lock_id: int) -> None:
-        """Let go of a held lock.  Raises LockUsageError (EPERM) if not held."""
+    def release(self, rank: int, lock_id: int, dead: int = -1) -> None:
+        """Let go of a held lock; with ``dead``, pass on the news that that
+        rank died holding it (the rank was given it with OWNER_DIED and its
+        wait failed).  Raises LockUsageError (EPERM) if not held."""
         a = self.acq.get((rank, lock_id))
         if a is None or a.state not in HOLDING:
             raise LockUsageError(1, f"rank {rank} does not hold lock {lock_id}")  # EPERM
-        self._release(rank, lock_id, a)
+        self._release(rank, lock_id, a, dead)
         self._drain()
 
     def abandon(self, rank: int, lock_id: int) -> None:
@@ -188,7 +216,7 @@ class LockEngine:
             if r != rank:
                 continue
             if a.state in HOLDING:
-                self._release(rank, lock_id, a)
+                self._release(rank, lock_id, a, rank)
             else:
                 a.abandoned = True
         self._drain()
@@ -259,19 +287,12 @@ class LockEngine:
             else:
                 self.stats["lock_unlock_crossed"] += 1  # a LOCK_FORW is on its way to that holder
         elif t == LockType.TRYLOCK_REQ:
-            status = LockStatus.BUSY
-            if m.lock_id not in self.last:
-                if len(self.last) >= MAX_MANAGED_LOCKS:
-                    status = LockStatus.REFUSED
-                else:
-                    self.last[m.lock_id] = (m.proc, m.seq)
-                    status = LockStatus.GRANTED
-            self._send(self.daemon_of(m.proc),
-                       LockMessage(LockType.TRYLOCK_REPLY, self.group, m.lock_id, m.proc, m.seq, status=status))
+            self._manager_trylock(m)
         elif t == LockType.LOCK_FORW:
             self._forwarded(m)
         else:  # LOCK_REPLY, TRYLOCK_REPLY
-            ev = {LockStatus.GRANTED: E.GRANT, LockStatus.BUSY: E.BUSY, LockStatus.REFUSED: E.REFUSED}[m.status]
+            ev = {LockStatus.GRANTED: E.GRANT, LockStatus.BUSY: E.BUSY, LockStatus.REFUSED: E.REFUSED,
+                  LockStatus.OWNER_DIED: E.GRANT}[m.status]
             self._answered(m, ev)
 
     def _manager_request(self, m: LockMessage) -> None:
@@ -288,12 +309,24 @@ class LockEngine:
         self._send(self.daemon_of(prev[0]),
                    LockMessage(LockType.LOCK_FORW, self.group, m.lock_id, prev[0], prev[1], m.proc, m.seq))
 
+    def _manager_trylock(self, m: LockMessage) -> None:
+        status = LockStatus.BUSY
+        if m.lock_id not in self.last:
+            if len(self.last) >= MAX_MANAGED_LOCKS:
+                status = LockStatus.REFUSED
+            else:
+                self.last[m.lock_id] = (m.proc, m.seq)
+                status = LockStatus.GRANTED
+        self._send(self.daemon_of(m.proc),
+                   LockMessage(LockType.TRYLOCK_REPLY, self.group, m.lock_id, m.proc, m.seq, status=status))
+
     def _forwarded(self, m: LockMessage) -> None:
         a = self.acq.get((m.proc, m.lock_id))
         if a is None or a.seq != m.seq:
             # That acquisition is over (its UNLOCK crossed this forward): the
             # lock is free as far as it is concerned, so the successor has it.
-            self._grant(m.lock_id, m.succ_proc, m.succ_seq)
+            dead = self.died_holding.pop((m.proc, m.lock_id), -1)
+            self._grant(m.lock_id, m.succ_proc, m.succ_seq, dead)
             return
         a.state = TRANSITIONS[(a.state, E.FORW)]
         a.succ = (m.succ_proc, m.succ_seq)
@@ -308,24 +341,31 @@ class LockEngine:
         a.state = TRANSITIONS[(a.state, ev)]
         if a.state == S.IDLE:
             self._forget(m.proc, m.lock_id)
+        dead = m.succ_proc if m.status == LockStatus.OWNER_DIED else -1
         if a.abandoned or m.proc in self.dead:
             if a.state in HOLDING:
-                self._release(m.proc, m.lock_id, a)
+                self._release(m.proc, m.lock_id, a, dead)  # the news travels on with the lock
             return
-        self.events.append(Outcome(m.proc, m.lock_id, m.status))
+        self.events.append(Outcome(m.proc, m.lock_id, m.status, dead))
 
-    def _release(self, rank: int, lock_id: int, a: Acquisition) -> None:
+    def _release(self, rank: int, lock_id: int, a: Acquisition, dead: int = -1) -> None:
         state = a.state
         a.state = TRANSITIONS[(state, E.RELEASE)]
         self._forget(rank, lock_id)
         if state == S.LOCK:
             assert a.succ is not None
-            self._grant(lock_id, *a.succ)
+            self._grant(lock_id, *a.succ, dead)
         else:
+            if dead >= 0:
+                self.died_holding[(rank, lock_id)] = dead
             self._send(self.manager_of(lock_id), LockMessage(LockType.UNLOCK, self.group, lock_id, rank, a.seq))
 
-    def _grant(self, lock_id: int, rank: int, seq: int) -> None:
-        self._send(self.daemon_of(rank), LockMessage(LockType.LOCK_REPLY, self.group, lock_id, rank, seq))
+    def _grant(self, lock_id: int, rank: int, seq: int, dead: int = -1) -> None:
+        if dead < 0:
+            m = LockMessage(LockType.LOCK_REPLY, self.group, lock_id, rank, seq)
+        else:
+            m = LockMessage(LockType.LOCK_REPLY, self.group, lock_id, rank, seq, dead, status=LockStatus.OWNER_DIED)
+        self._send(self.daemon_of(rank), m)
 
     def _forget(self, rank: int, lock_id: int) -> None:
         del self.acq[(rank, lock_id)]

@@ -20,7 +20,8 @@ ARRIVE of the next barrier that overtakes a RELEASE is not mistaken for this
 one's.  ``sender`` is the sending daemon's index in the group (daemons
 numbered in the order they first appear in the member list).  Every member
 must call each barrier with the same algorithm and arity; both travel in
-every message so a disagreement is detected, not hung on.  One 16-byte layout::
+every message so a disagreement is detected, not hung on: the daemon that
+sees it sends ABORT to every other, and the barrier fails everywhere.  One 16-byte layout::
 
     type u8 | algorithm u8 | arity u8 | round u8 | group u32 |
     generation u32 | sender u32
@@ -41,6 +42,7 @@ from .fixed import pack_checked, unpack_typed_untrusted
 class BarrierType(enum.IntEnum):
     ARRIVE = 1  #: child -> parent (tree), daemon -> root (central), round partner (dissemination)
     RELEASE = 2  #: parent -> child: everyone has arrived, go on
+    ABORT = 3  #: to every daemon: members disagree on this barrier (the sender's algorithm and arity)
 
 
 class Algorithm(enum.IntEnum):
@@ -90,7 +92,7 @@ def _fields_ok(btype: int, algorithm: int, arity: int, rnd: int) -> bool:
     if algorithm == Algorithm.TREE:
         return 2 <= arity <= MAX_ARITY and rnd == 0
     if algorithm == Algorithm.DISSEMINATION:
-        return arity == 0 and rnd <= MAX_ROUND and btype == BarrierType.ARRIVE
+        return arity == 0 and (rnd <= MAX_ROUND if btype == BarrierType.ARRIVE else btype == BarrierType.ABORT and rnd == 0)
     return arity == 0 and rnd == 0
 
 

@@ -28,8 +28,12 @@ two acquisitions: the target ``(proc, seq)`` and its successor
     type u8 | status u8 | reserved u16 (0) | group u32 | lock id u32 |
     proc u32 | seq u32 | succ proc u32 | succ seq u32
 
-``status`` is 0 except on ``TRYLOCK_REPLY`` (GRANTED or BUSY) and on
-``LOCK_REPLY`` from a manager whose table is full (``REFUSED``).
+``status`` is 0 except on ``TRYLOCK_REPLY`` (GRANTED or BUSY), on
+``LOCK_REPLY`` from a manager whose table is full (``REFUSED``), and on the
+``LOCK_REPLY`` that passes on the lock of a holder that died
+(``OWNER_DIED``, with that rank in ``succ proc``: the successor's wait ends
+in an error, as a robust mutex's EOWNERDEAD warns, since what the lock
+protected may be half-updated).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class LockStatus(enum.IntEnum):
     GRANTED = 0
     BUSY = 1  #: TRYLOCK_REPLY: somebody holds or waits
     REFUSED = 2  #: LOCK_REPLY / TRYLOCK_REPLY from the manager: its lock table is full
+    OWNER_DIED = 3  #: LOCK_REPLY passing on the lock of a holder that died (``succ_proc``)
 
 
 class LockMessage(NamedTuple):
@@ -71,8 +76,8 @@ class LockMessage(NamedTuple):
 
 
 _TYPES = frozenset(LockType)
-_WITH_STATUS = {LockType.TRYLOCK_REPLY: frozenset(LockStatus),
-                LockType.LOCK_REPLY: frozenset((LockStatus.GRANTED, LockStatus.REFUSED))}
+_WITH_STATUS = {LockType.TRYLOCK_REPLY: frozenset((LockStatus.GRANTED, LockStatus.BUSY, LockStatus.REFUSED)),
+                LockType.LOCK_REPLY: frozenset((LockStatus.GRANTED, LockStatus.REFUSED, LockStatus.OWNER_DIED))}
 
 LOCK_MESSAGE = c.Struct(
     "type" / c.Int8ub,
@@ -86,12 +91,20 @@ LOCK_MESSAGE = c.Struct(
     "seq" / c.Int32ub,
     "succ_proc" / c.Int32ub,
     "succ_seq" / c.Int32ub,
-    c.Check(lambda ctx: ctx.type == LockType.LOCK_FORW or ctx.succ_proc == ctx.succ_seq == 0),
+    c.Check(lambda ctx: _succ_ok(ctx.type, ctx.status, ctx.succ_proc, ctx.succ_seq)),
     c.Terminated,
 )
 
 _LAYOUT = struct.Struct("!BBHIIIIII")
 LOCK_LEN = _LAYOUT.size  # 28
+
+
+def _succ_ok(ltype: int, status: int, succ_proc: int, succ_seq: int) -> bool:
+    if ltype == LockType.LOCK_FORW:
+        return True
+    if ltype == LockType.LOCK_REPLY and status == LockStatus.OWNER_DIED:
+        return succ_seq == 0  # succ_proc: the rank that died holding the lock
+    return succ_proc == succ_seq == 0
 
 
 def _status_ok(ltype: int, status: int) -> bool:
@@ -107,7 +120,7 @@ def encode(m: LockMessage) -> bytes:
             successor on a message other than LOCK_FORW, or a field out of range.
     """
     if m.ltype not in _TYPES or not _status_ok(m.ltype, m.status) \
-            or (m.ltype != LockType.LOCK_FORW and (m.succ_proc or m.succ_seq)):
+            or not _succ_ok(m.ltype, m.status, m.succ_proc, m.succ_seq):
         raise ValueError(f"bad lock message {m!r}")
     return pack_checked(_LAYOUT, m.ltype, m.status, 0, m.group, m.lock_id, m.proc, m.seq, m.succ_proc, m.succ_seq)
 
@@ -121,8 +134,8 @@ def decode_untrusted(body: bytes | bytearray | memoryview) -> LockMessage:
     """
     ltype, status, reserved, group, lock_id, proc, seq, succ_proc, succ_seq = \
         unpack_typed_untrusted(body, _LAYOUT, _TYPES, "lock message")
-    if reserved or (ltype != LockType.LOCK_FORW and (succ_proc or succ_seq)):
-        raise WireError("bad_reserved", "lock message")
     if not _status_ok(ltype, status):
         raise WireError("bad_status", f"lock type {ltype} status {status}")
+    if reserved or not _succ_ok(ltype, status, succ_proc, succ_seq):
+        raise WireError("bad_reserved", "lock message")
     return LockMessage(ltype, group, lock_id, proc, seq, succ_proc, succ_seq, status)

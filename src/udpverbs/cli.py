@@ -1,4 +1,4 @@
-"""The ``udpverbs`` command: perftest-style benchmarks and a demo.
+"""The ``udpverbs`` command: perftest-style benchmarks, a demo and a job launcher.
 
 Theory of operation
 -------------------
@@ -17,6 +17,10 @@ Send is NACKed and resumed; the latencies include the wait.
 write latency sweep and write bandwidth sweep with the baseline, the tables,
 and a plot.
 
+``udpverbs run -n N -- COMMAND ...`` starts N ranks of COMMAND with local
+daemons (or daemons a ``--hosts`` file names), as mpirun does; see
+:mod:`udpverbs.launch`.  Its exit status is the job's.
+
 Exit status: 0 on success, 2 for a usage error, 1 when the run failed.
 """
 
@@ -27,6 +31,7 @@ import os
 import sys
 from typing import Sequence, TextIO
 
+from udpverbs import launch
 from udpverbs.bench import group_perf, local
 from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
 from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
@@ -81,9 +86,9 @@ def parse_peer(text: str, default_port: int) -> tuple[str, int]:
     return host, value
 
 
-def _add_daemon_arg(p: argparse.ArgumentParser) -> None:
+def _add_daemon_arg(p: argparse.ArgumentParser, whom: str = "both daemons a local run starts") -> None:
     p.add_argument("--daemon-arg", dest="daemon_args", action="append", default=[], metavar="=FLAG",
-                   help="pass FLAG to both daemons a local run starts, e.g. --daemon-arg=--cc=aimd "
+                   help=f"pass FLAG to {whom}, e.g. --daemon-arg=--cc=aimd "
                    "(repeatable; write it with '=': its value starts with '--')")
 
 
@@ -116,18 +121,22 @@ def daemon_args_from(args: argparse.Namespace) -> list[str]:
         raise UsageError("--daemon-arg goes with --local: a daemon you started keeps the flags you gave it")
     if args.command == "perf" and args.baseline_only:
         raise UsageError("--daemon-arg: --baseline-only starts no daemon")
+    if args.command == "run" and args.hosts:
+        raise UsageError("--daemon-arg goes without --hosts: a daemon you started keeps the flags you gave it")
     try:
-        return local.check_daemon_args(args.daemon_args)
+        return local.check_daemon_args(args.daemon_args, "udpverbs run" if args.command == "run" else "--local")
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf`` and ``demo``)."""
-    parser = argparse.ArgumentParser(prog="udpverbs", description="RDMA verbs over plain UDP: benchmarks and demo")
+    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf``, ``demo`` and ``run``)."""
+    parser = argparse.ArgumentParser(prog="udpverbs",
+                                     description="RDMA verbs over plain UDP: benchmarks, demo, job launcher")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_perf_parser(sub)
     _add_demo_parser(sub)
+    _add_run_parser(sub)
     return parser
 
 
@@ -235,6 +244,39 @@ def _add_demo_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     demo.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
     _add_daemon_arg(demo)
     _add_no_pin(demo)
+
+
+def _add_run_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``udpverbs run`` and its flags to ``sub``."""
+    run = sub.add_parser(
+        "run", help="start N ranks of a command with their daemons, as mpirun does",
+        usage="udpverbs run -n N [options] -- COMMAND [ARGS...]",
+        description="Start daemons uv0..uvM-1 on 127.0.0.2, 127.0.0.3, ... (or use those a --hosts file names) "
+        "and N copies (ranks) of COMMAND, each told by UDPVERBS_DEVICE, UDPVERBS_RUNTIME_DIR, UDPVERBS_RANK, "
+        "UDPVERBS_SIZE, UDPVERBS_MEMBERS and UDPVERBS_GROUP where it is; each output line is prefixed '[rank] '. "
+        "Exit status: the first failing rank's (128+S if killed by signal S), 124 on --timeout, 130 on Ctrl-C, "
+        "2 for a usage error.",
+    )
+    run.add_argument("-n", "--np", dest="ranks", type=int, metavar="N",
+                     help="ranks to start (with --hosts: the ranks from --rank-base on; default: all the rest)")
+    run.add_argument("--daemons", type=int, metavar="M",
+                     help="local daemons to start (default 1); rank r uses daemon r*M//N")
+    _add_daemon_arg(run, "every daemon it starts")
+    run.add_argument("--hosts", metavar="FILE",
+                     help="use the running daemons FILE names, one a line: ADDRESS PORT [slots=K] [device=NAME]")
+    run.add_argument("--rank-base", type=int, metavar="B", help="with --hosts: the first rank started here (default 0)")
+    run.add_argument("--device", metavar="NAME", help="with --hosts: the device of ranks whose line names none "
+                     "(default $UDPVERBS_DEVICE or uv0)")
+    run.add_argument("--name", help="the job's group name (default run-PID-TIME; with --hosts and ranks elsewhere, "
+                     "required: every launcher gives the same)")
+    run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
+                     help="stop every rank after S seconds and exit 124")
+    run.add_argument("--grace", dest="grace_s", type=float, default=local.STOP_GRACE_S, metavar="S",
+                     help="seconds a rank has to exit after SIGTERM before SIGKILL (default %(default)g)")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="say on stderr which daemons and ranks started, with their pids")
+    run.add_argument("command_argv", metavar="COMMAND", nargs=argparse.REMAINDER,
+                     help="the command each rank runs, after '--'")
 
 
 def params_from_args(args: argparse.Namespace) -> PerfParams:
@@ -452,6 +494,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run ``udpverbs run``; returns the job's exit status."""
+    command = args.command_argv[1:] if args.command_argv[:1] == ["--"] else args.command_argv
+    opts = launch.RunOptions(
+        command=tuple(command), ranks=args.ranks, daemons=args.daemons, daemon_args=tuple(daemon_args_from(args)),
+        hosts=args.hosts, rank_base=args.rank_base, device=args.device, name=args.name, timeout_s=args.timeout_s,
+        grace_s=args.grace_s, verbose=args.verbose,
+    )
+    try:
+        return launch.run(opts)
+    except launch.RunUsageError as e:
+        raise UsageError(str(e)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``udpverbs`` console script.
 
@@ -466,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "perf":
             return cmd_perf(args)
+        if args.command == "run":
+            return cmd_run(args)
         return cmd_demo(args)
     except (UsageError, PlotUnavailable) as e:
         print(f"udpverbs {args.command}: error: {e}", file=sys.stderr)

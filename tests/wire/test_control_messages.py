@@ -43,6 +43,8 @@ KNOWN: list[tuple[Any, str]] = [
     (LockMessage(LockType.LOCK_REPLY, 9, 1, 4, 5), "03000000" "00000009" "00000001" "00000004" "00000005" "00000000" "00000000"),
     (LockMessage(LockType.LOCK_REPLY, 9, 1, 4, 5, status=LockStatus.REFUSED),
      "03020000" "00000009" "00000001" "00000004" "00000005" "00000000" "00000000"),
+    (LockMessage(LockType.LOCK_REPLY, 9, 1, 4, 5, 2, status=LockStatus.OWNER_DIED),
+     "03030000" "00000009" "00000001" "00000004" "00000005" "00000002" "00000000"),
     (LockMessage(LockType.UNLOCK, 9, 1, 2, 3), "04000000" "00000009" "00000001" "00000002" "00000003" "00000000" "00000000"),
     (LockMessage(LockType.TRYLOCK_REQ, 9, 1, 2, 6), "05000000" "00000009" "00000001" "00000002" "00000006" "00000000" "00000000"),
     (LockMessage(LockType.TRYLOCK_REPLY, 9, 1, 2, 6, status=LockStatus.BUSY),
@@ -52,6 +54,7 @@ KNOWN: list[tuple[Any, str]] = [
     (BarrierMessage(BarrierType.RELEASE, Algorithm.TREE, 4, 0, 9, 10, 0), "02010400" "00000009" "0000000a" "00000000"),
     (BarrierMessage(BarrierType.ARRIVE, Algorithm.DISSEMINATION, 0, 2, 9, 10, 1), "01020002" "00000009" "0000000a" "00000001"),
     (BarrierMessage(BarrierType.RELEASE, Algorithm.CENTRAL, 0, 0, 9, 1, 0), "02030000" "00000009" "00000001" "00000000"),
+    (BarrierMessage(BarrierType.ABORT, Algorithm.TREE, 3, 0, 9, 1, 2), "03010300" "00000009" "00000001" "00000002"),
     # group: type | status | rsvd | group | rank | generation
     (GroupMessage(GroupType.JOIN, 9, 3), "01000000" "00000009" "00000003" "00000000"),
     (GroupMessage(GroupType.LEAVE, 9, 3, 7, LeaveStatus.DIED), "02010000" "00000009" "00000003" "00000007"),
@@ -114,14 +117,16 @@ lock_messages = st.one_of(
     st.builds(lambda *f: LockMessage(LockType.LOCK_FORW, *f), u32, u32, u32, u32, u32, u32),
     st.builds(lambda *f: LockMessage(LockType.LOCK_REPLY, *f[:4], status=f[4]), u32, u32, u32, u32,
               st.sampled_from([LockStatus.GRANTED, LockStatus.REFUSED])),
+    st.builds(lambda *f: LockMessage(LockType.LOCK_REPLY, *f, status=LockStatus.OWNER_DIED), u32, u32, u32, u32, u32),
     st.builds(lambda *f: LockMessage(LockType.TRYLOCK_REPLY, *f[:4], status=f[4]), u32, u32, u32, u32,
-              st.sampled_from(sorted(LockStatus))),
+              st.sampled_from([LockStatus.GRANTED, LockStatus.BUSY, LockStatus.REFUSED])),
 )
 barrier_messages = st.one_of(
     st.builds(lambda t, *f: BarrierMessage(t, Algorithm.TREE, f[0], 0, *f[1:]), st.sampled_from(sorted(BarrierType)),
               st.integers(2, 255), u32, u32, u32),
     st.builds(lambda *f: BarrierMessage(BarrierType.ARRIVE, Algorithm.DISSEMINATION, 0, *f), st.integers(0, 31), u32, u32, u32),
     st.builds(lambda t, *f: BarrierMessage(t, Algorithm.CENTRAL, 0, 0, *f), st.sampled_from(sorted(BarrierType)), u32, u32, u32),
+    st.builds(lambda *f: BarrierMessage(BarrierType.ABORT, Algorithm.DISSEMINATION, 0, 0, *f), u32, u32, u32),
 )
 group_messages = st.one_of(
     st.builds(lambda t, *f: GroupMessage(t, *f), st.sampled_from([GroupType.JOIN, GroupType.PING, GroupType.PONG]), u32, u32, u32),
@@ -204,10 +209,12 @@ def test_fast_decoder_rejects_what_construct_rejects(
         (lock.decode_untrusted, "01010000" + "00000001" * 4 + "00000000" * 2, "bad_status"),
         (lock.decode_untrusted, "03010000" + "00000001" * 4 + "00000000" * 2, "bad_status"),  # BUSY on a grant
         (lock.decode_untrusted, "06030000" + "00000001" * 4 + "00000000" * 2, "bad_status"),
+        (lock.decode_untrusted, "03030000" + "00000001" * 6, "bad_reserved"),  # OWNER_DIED with a successor seq
         (lock.decode_untrusted, "01000001" + "00000001" * 4 + "00000000" * 2, "bad_reserved"),
         (lock.decode_untrusted, "03000000" + "00000001" * 5 + "00000000", "bad_reserved"),  # a successor on a grant
         (lock.decode_untrusted, "01000000" + "00000001" * 4, "bad_length"),
-        (barrier.decode_untrusted, "00010200" "00000001" "00000002" "00000003", "bad_type"),
+        (barrier.decode_untrusted, "04010200" "00000001" "00000002" "00000003", "bad_type"),
+        (barrier.decode_untrusted, "03020001" "00000001" "00000002" "00000003", "bad_reserved"),  # a round on ABORT
         (barrier.decode_untrusted, "01040000" "00000001" "00000002" "00000003", "bad_reserved"),  # no such algorithm
         (barrier.decode_untrusted, "01010100" "00000001" "00000002" "00000003", "bad_reserved"),  # arity 1
         (barrier.decode_untrusted, "01010201" "00000001" "00000002" "00000003", "bad_reserved"),  # a round on a tree
