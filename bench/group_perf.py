@@ -5,11 +5,12 @@ Theory of operation
 Both tests run on this host only (``--local``): :class:`local.LocalDaemons`
 starts M daemons on 127.0.0.2, 127.0.0.3, ..., and :class:`Ranks` starts P
 rank processes (:mod:`udpverbs.bench.group_worker`), rank ``r`` on daemon
-``r * M // P`` (block placement: neighbouring ranks share a daemon), each
-with the environment ``udpverbs run`` gives a rank, from which it joins the
-group (``verbs.Group.from_env``).  This process drives the ranks in lock
-step over their stdin and stdout (one JSON command a line, one answer a
-line from each, every wait bounded) and computes the figures from what they
+``r * M // P`` (:func:`local.block_placement`), each with the environment
+``udpverbs run`` gives a rank (:func:`local.rank_environment`, which the
+launcher uses too), from which it joins the group
+(``verbs.Group.from_env``).  This process drives the ranks in lock step
+over their stdin and stdout (one JSON command a line, one answer a line
+from each, every wait bounded) and computes the figures from what they
 answer; the ranks measure with ``CLOCK_MONOTONIC``, which every process of
 the host shares, so their timestamps can be laid side by side.
 
@@ -100,12 +101,7 @@ class GroupUsageError(Exception):
     """The command line is wrong (exit status 2)."""
 
 
-# -- where ranks and lock managers are ----------------------------------------------
-def daemon_of(rank: int, procs: int, daemons: int) -> int:
-    """Block placement: rank ``rank`` of ``procs`` runs on daemon ``rank * daemons // procs``."""
-    return rank * daemons // procs
-
-
+# -- where lock managers and processes are ---------------------------------------------------
 def manager_of(lock_id: int, members: Sequence[tuple[str, int]]) -> tuple[str, int]:
     """The daemon that manages lock ``lock_id``: rank ``lock_id % size``'s (``daemon/qlock.py``).
 
@@ -142,28 +138,6 @@ def spread_placement(daemons: int, rank_daemons: Sequence[int],
 
 
 # -- the rank processes -----------------------------------------------------------------
-def rank_environment(rank: int, members: Sequence[tuple[str, int]], *, device: str, runtime_dir: str,
-                     group: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of one rank, as ``udpverbs run`` sets it (:mod:`udpverbs.verbs.group`'s ENV_*).
-
-    Takes: the rank, every rank's daemon (``members``, rank order), this
-    rank's daemon's device name and runtime directory, the group's name, and
-    the environment to start from (default: this process's).
-    """
-    from ..verbs import group as G
-
-    env = dict(os.environ if base is None else base)
-    env.update({
-        G.ENV_DEVICE: device,
-        G.ENV_RUNTIME_DIR: runtime_dir,
-        G.ENV_RANK: str(rank),
-        G.ENV_SIZE: str(len(members)),
-        G.ENV_MEMBERS: G.format_members(members),
-        G.ENV_GROUP: group,
-    })
-    return env
-
-
 class Ranks:
     """P rank processes on started daemons, driven in lock step (see the module docstring).
 
@@ -190,8 +164,8 @@ class Ranks:
         """
         assert self.daemons.runtime_dir is not None, "the daemons are not started"
         for r, d in enumerate(self.rank_daemons):
-            env = rank_environment(r, self.members, device=self.daemons.names[d],
-                                   runtime_dir=self.daemons.runtime_dir, group=self.group)
+            env = local.rank_environment(r, self.members, device=self.daemons.names[d],
+                                         runtime_dir=self.daemons.runtime_dir, group=self.group, base=os.environ)
             proc = subprocess.Popen([sys.executable, "-m", "udpverbs.bench.group_worker"], env=env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self.procs.append(proc)
@@ -274,7 +248,12 @@ class Ranks:
                     pass
         deadline = time.monotonic() + STOP_GRACE_S
         for proc in self.procs:
-            local.wait_process(proc, max(0.1, deadline - time.monotonic()))
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        local.stop_processes(self.procs)  # those that did not leave in time
+        for proc in self.procs:
             if proc.stdout is not None:
                 proc.stdout.close()
         self.procs = []
@@ -705,7 +684,7 @@ def run_barrier_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
     cpus = sorted(os.sched_getaffinity(0)) if p.pin else [0]
     for procs in p.procs:
         m = p.daemons_for(procs)
-        rank_daemons = [daemon_of(r, procs, m) for r in range(procs)]
+        rank_daemons = [local.block_placement(r, procs, m) for r in range(procs)]
         daemon_cpus, rank_cpus = spread_placement(m, rank_daemons, cpus)
         with local.LocalDaemons(mtu=p.mtu, daemon_args=p.daemon_args, count=m, daemon_cpus=daemon_cpus) as daemons, \
                 Ranks(daemons, rank_daemons, rank_cpus) as ranks:
@@ -728,8 +707,10 @@ def run_barrier_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
     return printer.rows
 
 
-def plot_barriers(rows: Sequence[GroupRow], path: str) -> str:
+def plot_barriers(rows: Sequence[GroupRow], path: str, title: str | None = None) -> str:
     """Draw barrier latency (typical, and p99 faintly) against P, one line per algorithm, log2 x axis.
+
+    ``title``: the figure's (default: names the test and the daemons).
 
     Raises: PlotUnavailable without matplotlib; ValueError without barrier rows.
     """
@@ -752,7 +733,7 @@ def plot_barriers(rows: Sequence[GroupRow], path: str) -> str:
     ax.set_xlabel("ranks (P)")
     ax.set_ylabel("time per barrier [µs]")
     daemons = sorted({r.daemons for r in rows})
-    ax.set_title(f"udpverbs barrier_lat ({'/'.join(map(str, daemons))} daemons)")
+    ax.set_title(title or f"udpverbs barrier_lat ({'/'.join(map(str, daemons))} daemons)", fontsize="medium")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -761,27 +742,17 @@ def plot_barriers(rows: Sequence[GroupRow], path: str) -> str:
     return path
 
 
-RUN_ERRORS = (GroupRunError, local.LocalRunError, OSError)
-
-
 def main(argv: Sequence[str], out: TextIO | None = None) -> int:
-    """``udpverbs perf lock_lat|barrier_lat ...`` (``argv``: the words after ``perf``); returns the exit status."""
-    from .plot import PlotUnavailable
+    """``udpverbs perf lock_lat|barrier_lat ...`` (``argv``: the words after ``perf``); returns 0.
 
-    out = out or sys.stdout
+    Raises: GroupUsageError or PlotUnavailable for a usage error (the
+    ``udpverbs`` command's exit status 2); GroupRunError, LocalRunError or
+    OSError if the run failed (1).
+    """
     args = build_parser().parse_args(list(argv))
-    try:
-        params = params_from_args(args)
-        if params.test == "lock_lat":
-            run_lock_lat(params, out)
-        else:
-            run_barrier_lat(params, out)
-    except (GroupUsageError, PlotUnavailable) as e:
-        print(f"udpverbs perf {args.test}: error: {e}", file=sys.stderr)
-        return 2
-    except RUN_ERRORS as e:
-        print(f"udpverbs perf {args.test}: failed: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    params = params_from_args(args)
+    if params.test == "lock_lat":
+        run_lock_lat(params, out or sys.stdout)
+    else:
+        run_barrier_lat(params, out or sys.stdout)
     return 0

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import IO, Iterable, Iterator, Sequence
+from typing import IO, Iterable, Iterator, Mapping, Sequence
 
 #: The two "hosts" of a local run.
 SERVER_IP = "127.0.0.2"
@@ -329,14 +329,43 @@ def daemon_address(line: str, what: str = "the daemon") -> tuple[str, int]:
     return words[1], int(words[2])
 
 
+def block_placement(rank: int, size: int, daemons: int) -> int:
+    """The daemon of ``rank`` when ``size`` ranks share ``daemons`` daemons in consecutive blocks
+    (mpirun's default map-by-slot): ``rank * daemons // size``."""
+    return rank * daemons // size
+
+
+def rank_environment(rank: int, members: Sequence[tuple[str, int]], *, device: str, runtime_dir: str, group: str,
+                     base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of one rank of a process group, as ``udpverbs run`` gives it (the ``ENV_*``
+    contract of :mod:`udpverbs.verbs.group`), and unbuffered Python output.
+
+    Takes: the rank, every rank's daemon (``members``, rank order), the
+    device this rank opens and the directory of its control socket, the
+    group's name, and the environment to start from.
+    """
+    from ..verbs import group as G
+
+    env = dict(base)
+    env.update({
+        G.ENV_DEVICE: device, G.ENV_RUNTIME_DIR: runtime_dir, G.ENV_RANK: str(rank), G.ENV_SIZE: str(len(members)),
+        G.ENV_MEMBERS: G.format_members(members), G.ENV_GROUP: group, "PYTHONUNBUFFERED": "1",
+    })  # fmt: skip
+    return env
+
+
+#: Local daemon i binds 127.0.0.(2 + i), up to 127.0.0.254.
+MAX_DAEMONS = 253
+
+
 def daemon_ip(index: int) -> str:
     """The loopback address of a local run's daemon ``index``: 127.0.0.2, 127.0.0.3, ... (the
     first two are SERVER_IP and CLIENT_IP).
 
     Raises: ValueError past 127.0.0.254.
     """
-    if not 0 <= index <= 252:
-        raise ValueError(f"a local run has at most 253 daemons (127.0.0.2 .. 127.0.0.254), not {index + 1}")
+    if not 0 <= index < MAX_DAEMONS:
+        raise ValueError(f"a local run has at most {MAX_DAEMONS} daemons (127.0.0.2 .. 127.0.0.254), not {index + 1}")
     return f"127.0.0.{index + 2}"
 
 

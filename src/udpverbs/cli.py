@@ -44,7 +44,7 @@ CONNECT_TIMEOUT_S = 10.0
 #: The demo moves at most this much per message size, to finish in about a minute.
 DEMO_VOLUME_BYTES = 16 << 20
 #: Errors that end a run with a message instead of a traceback.
-RUN_ERRORS = (ControlError, BaselineError, VerbsRunError, local.LocalRunError, OSError)
+RUN_ERRORS = (ControlError, BaselineError, VerbsRunError, group_perf.GroupRunError, local.LocalRunError, OSError)
 
 
 class UsageError(Exception):
@@ -515,21 +515,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns: the exit status.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["perf"] and any(a in group_perf.TESTS for a in argv[1:]):
-        return group_perf.main(argv[1:])  # flags of their own (bench/group_perf.py)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    # lock_lat and barrier_lat have flags of their own (bench/group_perf.py)
+    group_test = argv[:1] == ["perf"] and any(a in group_perf.TESTS for a in argv[1:])
+    args = None if group_test else build_parser().parse_args(argv)
+    command = "perf" if args is None else args.command
     try:
-        if args.command == "perf":
+        if args is None:
+            return group_perf.main(argv[1:])
+        if command == "perf":
             return cmd_perf(args)
-        if args.command == "run":
+        if command == "run":
             return cmd_run(args)
         return cmd_demo(args)
-    except (UsageError, PlotUnavailable) as e:
-        print(f"udpverbs {args.command}: error: {e}", file=sys.stderr)
+    except (UsageError, group_perf.GroupUsageError, PlotUnavailable) as e:
+        print(f"udpverbs {command}: error: {e}", file=sys.stderr)
         return 2
     except RUN_ERRORS as e:
-        print(f"udpverbs {args.command}: failed: {e}", file=sys.stderr)
+        print(f"udpverbs {command}: failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

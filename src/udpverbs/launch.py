@@ -54,12 +54,11 @@ from typing import IO, Callable, Iterator, Mapping, Sequence
 
 from .bench import local, verbs_perf
 from .daemon.config import DEFAULT_MTU, DEFAULT_NAME
-from .verbs.group import ENV_DEVICE, ENV_GROUP, ENV_MEMBERS, ENV_RANK, ENV_RUNTIME_DIR, ENV_SIZE, format_members
+from .verbs.group import ENV_DEVICE, ENV_RUNTIME_DIR, format_members
 from .wire import ctl
 
-#: Local daemon i binds 127.0.0.(FIRST_HOST + i); the last usable is .254.
-FIRST_HOST = 2
-MAX_LOCAL_DAEMONS = 254 - FIRST_HOST + 1
+#: Local daemon i binds 127.0.0.(2 + i) (``bench.local.daemon_ip``); the last usable is .254.
+MAX_LOCAL_DAEMONS = local.MAX_DAEMONS
 #: A line longer than this goes out in pieces (a rank printing without newlines must not fill our memory).
 MAX_LINE_BYTES = 1 << 16
 #: Exit status of a job stopped by ``--timeout`` (as timeout(1)).
@@ -112,19 +111,11 @@ class Plan:
 
     def env(self, rank: int, device: str, base: Mapping[str, str]) -> dict[str, str]:
         """The environment of ``rank``: ``base`` plus the ``ENV_*`` contract and unbuffered Python output."""
-        env = dict(base)
-        env.update({
-            ENV_DEVICE: device, ENV_RUNTIME_DIR: self.runtime_dir, ENV_RANK: str(rank),
-            ENV_SIZE: str(len(self.members)), ENV_MEMBERS: format_members(self.members), ENV_GROUP: self.group,
-            "PYTHONUNBUFFERED": "1",
-        })  # fmt: skip
-        return env
+        return local.rank_environment(rank, self.members, device=device, runtime_dir=self.runtime_dir,
+                                      group=self.group, base=base)
 
 
-def block_placement(rank: int, size: int, daemons: int) -> int:
-    """The daemon of ``rank`` when ``size`` ranks share ``daemons`` daemons in consecutive blocks
-    (mpirun's default map-by-slot): ``rank * daemons // size``."""
-    return rank * daemons // size
+block_placement = local.block_placement
 
 
 def local_plan(daemons: Sequence[tuple[str, str, int]], size: int, group: str, runtime_dir: str) -> Plan:
@@ -502,16 +493,13 @@ class Job:
     def _start_daemons(self, guard: _SignalGuard) -> Plan:
         self.runtime_dir = tempfile.mkdtemp(prefix="udpverbs-run-")
         for i in range(self.opts.local_daemons):
-            name, ip = f"uv{i}", f"127.0.0.{FIRST_HOST + i}"
+            name, ip = f"uv{i}", local.daemon_ip(i)
             argv = verbs_perf.daemon_command(ip, name, os.path.join(self.runtime_dir, f"{name}.sock"), DEFAULT_MTU,
                                              self.opts.daemon_args)
             with guard.held():
                 self.daemons.append(_Daemon(name, local.spawn(argv, stdout=subprocess.DEVNULL, own_group=True)))
         for d in self.daemons:
-            words = d.child.wait_ready().split()  # "ready IP PORT SOCKET"
-            if len(words) != 4 or words[0] != "ready" or not words[2].isdigit():
-                raise local.LocalRunError(f"daemon {d.name} reported {' '.join(words)!r}, not 'ready IP PORT SOCKET'")
-            d.ip, d.port = words[1], int(words[2])
+            d.ip, d.port = local.daemon_address(d.child.wait_ready(), f"daemon {d.name}")
             d.pidfd = os.pidfd_open(d.child.proc.pid)
             self.sel.register(d.pidfd, selectors.EVENT_READ, lambda d=d: self._daemon_exited(d))
             if self.opts.verbose:

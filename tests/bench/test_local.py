@@ -143,3 +143,12 @@ def test_daemon_ready_line_and_addresses() -> None:
     assert [local.daemon_ip(i) for i in (0, 1, 252)] == [local.SERVER_IP, local.CLIENT_IP, "127.0.0.254"]
     with pytest.raises(ValueError):
         local.daemon_ip(253)
+
+
+def test_block_placement_and_rank_environment() -> None:
+    assert [local.block_placement(r, 8, 3) for r in range(8)] == [0, 0, 0, 1, 1, 1, 2, 2]
+    env = local.rank_environment(1, [("127.0.0.2", 5), ("127.0.0.3", 6)], device="uv1", runtime_dir="/r", group="g",
+                                 base={"KEEP": "1"})
+    assert env == {"KEEP": "1", "UDPVERBS_DEVICE": "uv1", "UDPVERBS_RUNTIME_DIR": "/r", "UDPVERBS_RANK": "1",
+                   "UDPVERBS_SIZE": "2", "UDPVERBS_MEMBERS": "127.0.0.2:5,127.0.0.3:6", "UDPVERBS_GROUP": "g",
+                   "PYTHONUNBUFFERED": "1"}
