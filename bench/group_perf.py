@@ -30,6 +30,9 @@ the host shares, so their timestamps can be laid side by side.
   mutual exclusion: no acquire may return before the previous holder's
   release was called (:func:`handoff_samples` raises).
 
+Every row's iterations are run in LOCK_ROUNDS rounds over all the rows, so
+that what else the host does meanwhile weighs on every row alike.
+
 ``--baseline cas-lock`` measures, in the same run, the same rows for the
 lock built from verbs atomics (a Compare-and-Swap spin lock on a 64-bit word
 in rank 0's memory, :class:`group_worker.CasLock`; rank 0 reaches its own
@@ -81,6 +84,8 @@ DEFAULT_ITERS = 1000
 #: that the other rank's request waits in the queue when it lets go
 DEFAULT_HOLD_US = 2000
 MAX_HOLD_US = 1_000_000
+#: lock_lat measures its rows round-robin, in this many rounds
+LOCK_ROUNDS = 5
 DEFAULT_PROCS = (2, 4, 8)
 #: barrier_lat's daemons without --daemons: min(this, P)
 DEFAULT_DAEMONS = 4
@@ -597,21 +602,64 @@ def _stats(samples_ns: Sequence[int], what: str) -> LatencyStats:
     return latency_stats(list(samples_ns))
 
 
+@dataclass(frozen=True)
+class _LockCase:
+    """One row of lock_lat: what it measures, which phase the ranks run, who runs it, which lock."""
+
+    lock: str
+    case: str
+    phase: str
+    ranks: tuple[int, ...]
+    lock_id: int | None = None
+
+
+def _lock_cases(params: GroupParams, members: Sequence[tuple[str, int]]) -> list[_LockCase]:
+    """lock_lat's rows in the order they are printed (see the module docstring)."""
+    cases = []
+    if params.baseline:
+        cases += [_LockCase("atomic", "round-trip-own", "atomic", (0,)),
+                  _LockCase("atomic", "round-trip-remote", "atomic", (1,)),
+                  _LockCase("cas-lock", "uncontended-own", "cas-uncontended", (0,)),
+                  _LockCase("cas-lock", "uncontended-remote", "cas-uncontended", (1,)),
+                  _LockCase("cas-lock", "handoff", "cas-handoff", (0, 1))]
+    if not params.baseline_only:
+        own = lock_managed_by(members[0], members)
+        other = lock_managed_by(members[1], members)
+        cases += [_LockCase("group", "uncontended-own", "group-uncontended", (0,), own),
+                  _LockCase("group", "uncontended-remote", "group-uncontended", (0,), other),
+                  _LockCase("group", "handoff", "group-handoff", (0, 1),
+                            lock_managed_by(members[0], members, start=max(own, other) + 1))]
+    return cases
+
+
+def _chunks(iters: int) -> list[int]:
+    """``iters`` shared out among at most LOCK_ROUNDS rounds (none empty)."""
+    n = min(LOCK_ROUNDS, iters)
+    return [iters // n + (1 if k < iters % n else 0) for k in range(n)]
+
+
 def run_lock_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
-    """lock_lat: 2 ranks on 2 daemons; rows as the module docstring says.  Raises: GroupRunError, LocalRunError."""
+    """lock_lat: 2 ranks on 2 daemons; rows as the module docstring says.
+
+    The iterations of every row are run in LOCK_ROUNDS rounds, each round
+    going over all the rows in turn, so that what the host does meanwhile
+    weighs on every row alike (the rows are compared with each other).
+    Raises: GroupRunError, LocalRunError.
+    """
     p = params
     pl = local.default_placement(p.pin)
     daemon_cpus = [pl.server_daemon, pl.client_daemon] if pl else [None, None]
     rank_cpus = [pl.server_app, pl.client_app] if pl else [None, None]
     printer = Printer(p, out)
-    iters, warmup = p.iters, _warmup(p.iters)
     with local.LocalDaemons(mtu=p.mtu, daemon_args=p.daemon_args, count=2, daemon_cpus=daemon_cpus) as daemons, \
             Ranks(daemons, [0, 1], rank_cpus) as ranks:
         ranks.ask({"op": "open"}, SETUP_TIMEOUT_S)
-        members = ranks.members
+        chunks = _chunks(p.iters)
+        warmups = [_warmup(c) for c in chunks]
         settings = [("Ranks", "2, rank r on daemon r (127.0.0.2, 127.0.0.3)"),
                     ("Lock managers", "rank (lock id mod ranks)'s daemon"),
-                    ("Iterations", f"{iters} measured after {warmup} warm-up"),
+                    ("Iterations", f"{p.iters} measured in {len(chunks)} rounds over the rows, each after "
+                     f"{warmups[0]} warm-up"),
                     ("Hand-off", f"each holder holds the lock {p.hold_us} usec, not counted")]
         if p.baseline:
             settings.append(("Baseline", "cas-lock: Compare-and-Swap spin lock on a 64-bit word in rank 0's memory"
@@ -625,42 +673,36 @@ def run_lock_lat(params: GroupParams, out: TextIO) -> list[GroupRow]:
         if p.baseline:
             table = ranks.ask({"op": "cas-open"}, SETUP_TIMEOUT_S)
             ranks.ask({"op": "cas-connect", "table": table}, SETUP_TIMEOUT_S)
-
-        def run(phase: str, who: list[int], **kw: Any) -> list[dict[str, Any]]:
-            msg = {"op": "run", "phase": phase, "ranks": who, "iters": iters, "warmup": warmup, **kw}
-            return ranks.ask(msg, RUN_TIMEOUT_S)
-
+        cases = _lock_cases(p, ranks.members)
+        got: dict[_LockCase, dict[str, list[int]]] = {c: {} for c in cases}
+        acquisitions = dict.fromkeys(cases, 0)
+        for iters, warmup in zip(chunks, warmups):
+            for c in cases:
+                msg = {"op": "run", "phase": c.phase, "ranks": list(c.ranks), "iters": iters, "warmup": warmup,
+                       "lock": c.lock_id, "hold_us": p.hold_us}
+                ans = ranks.ask(msg, RUN_TIMEOUT_S)
+                if c.case == "handoff":
+                    samples, n = handoff_samples([a["acquired"] for a in ans], [a["released"] for a in ans])
+                    got[c].setdefault("samples", []).extend(samples)
+                    acquisitions[c] += n
+                    continue
+                for key, values in ans[c.ranks[0]].items():
+                    if key != "op":
+                        got[c].setdefault(key, []).extend(values)
         atomic_remote: float | None = None
-
-        def emit(row: GroupRow) -> None:
-            if atomic_remote and row.lock != "atomic":
-                row = dataclasses.replace(row, ratio_to_atomic=row.stats.t_typical_us / atomic_remote)
+        for c in cases:
+            stats = _stats(got[c]["samples"], f"{c.lock} {c.case}")
+            row = GroupRow("lock_lat", 2, 2, stats, c.lock, c.case)
+            if c.case.startswith("uncontended"):
+                row = dataclasses.replace(row, acquire_us=_stats(got[c]["acquire"], "acquire").t_typical_us,
+                                          release_us=_stats(got[c]["release"], "release").t_typical_us)
+            if c.case == "handoff":
+                row = dataclasses.replace(row, acquisitions=acquisitions[c], hold_us=p.hold_us)
+            if c.lock == "atomic" and c.case == "round-trip-remote":
+                atomic_remote = stats.t_typical_us
+            elif c.lock != "atomic" and atomic_remote:
+                row = dataclasses.replace(row, ratio_to_atomic=stats.t_typical_us / atomic_remote)
             printer.row(row)
-
-        def lock_rows(lock: str, kind: str, locks: dict[str, Any]) -> None:
-            for case, who in (("uncontended-own", 0), ("uncontended-remote", 1 if kind == "cas" else 0)):
-                ans = run(f"{kind}-uncontended", [who], lock=locks.get(case))[who]
-                emit(GroupRow("lock_lat", 2, 2, _stats(ans["samples"], f"{lock} {case}"), lock, case,
-                              acquire_us=_stats(ans["acquire"], "acquire").t_typical_us,
-                              release_us=_stats(ans["release"], "release").t_typical_us))
-            ans = run(f"{kind}-handoff", [0, 1], lock=locks.get("handoff"), hold_us=p.hold_us)
-            samples, acquisitions = handoff_samples([a["acquired"] for a in ans], [a["released"] for a in ans])
-            emit(GroupRow("lock_lat", 2, 2, _stats(samples, f"{lock} hand-off"), lock, "handoff",
-                          acquisitions=acquisitions, hold_us=p.hold_us))
-
-        if p.baseline:
-            for case, who in (("round-trip-own", 0), ("round-trip-remote", 1)):
-                ans = run("atomic", [who])
-                row = GroupRow("lock_lat", 2, 2, _stats(ans[who]["samples"], f"atomic {case}"), "atomic", case)
-                emit(row)
-            atomic_remote = row.stats.t_typical_us
-            lock_rows("cas-lock", "cas", {})
-        if not p.baseline_only:
-            own, other = members[0], members[1]
-            locks = {"uncontended-own": lock_managed_by(own, members),
-                     "uncontended-remote": lock_managed_by(other, members)}
-            locks["handoff"] = lock_managed_by(own, members, start=max(locks.values()) + 1)
-            lock_rows("group", "group", locks)
     printer.end()
     return printer.rows
 
