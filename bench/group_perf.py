@@ -462,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("test", choices=TESTS)
     p.add_argument("--local", action="store_true", help="start the daemons and the ranks here (required)")
     p.add_argument("-n", "--iters", type=int, default=DEFAULT_ITERS,
-                   help=f"measured iterations per row (default {DEFAULT_ITERS}); a tenth more, at most 100, warm up")
+                   help=f"measured iterations per row (default {DEFAULT_ITERS}), after a tenth as many (at most "
+                   "100) to warm up; lock_lat runs them in 5 rounds over its rows, each warmed up")
     p.add_argument("--json", action="store_true", help="print one JSON object per row instead of the table")
     p.add_argument("-m", "--mtu", type=int, default=1500, help="IP path MTU of the local daemons (default 1500)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
