@@ -521,10 +521,12 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
             reply, out_fds = await _serve_one(sess, data, fds, flags)
             for fd in fds:  # the handlers keep what they need (mmap holds its own ref)
                 os.close(fd)
-            if reply is None:
-                continue  # a group request that waits: the data path answers it
-            anc_out = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))] if out_fds else []
-            await conn.sendmsg([reply], anc_out)
+            if reply is not None:
+                anc_out = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))] if out_fds else []
+                await conn.sendmsg([reply], anc_out)
+            if sess.group_member is not None and device.groups is not None:
+                await device.groups.adopt(sess)  # a rank's connection: the data loop reads it now
+                break
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
         log.info("session pid %d ended: %s", pid, e)
     except Exception:

@@ -34,6 +34,7 @@ import collections
 import errno
 import logging
 import os
+import socket
 import struct
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,54 @@ class GroupService:
         self.pending: collections.OrderedDict[int, set[tuple[tuple[str, int], int]]] = collections.OrderedDict()
         self.stats = device.stats
         self._changed = trio.Event()
+
+    # -- a group's connection, read by the data loop ------------------------------------
+    async def adopt(self, sess: Any) -> None:
+        """Read ``sess``'s connection from the data loop from now on (its
+        requests are answered in the pass that sees them, with no trio task
+        woken); returns when the client closes it."""
+        ended = trio.Event()
+        fd = sess.conn.fileno()
+        sock = socket.socket(fileno=os.dup(fd))  # the session keeps (and closes) its own
+        try:
+            self.device.loop.serve_here(fd, lambda: self._serve_connection(sess, sock, fd, ended))
+            self._serve_connection(sess, sock, fd, ended)  # what arrived while it was trio's
+            await ended.wait()
+        finally:
+            self.device.loop.stop_serving(fd)
+            sock.close()
+
+    def _serve_connection(self, sess: Any, sock: socket.socket, fd: int, ended: trio.Event) -> None:
+        while not ended.is_set():
+            try:
+                data = sock.recv(ctl.MAX_CTL_MESSAGE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # the process closed it, or died
+                self.device.loop.stop_serving(fd)
+                ended.set()
+                return
+            reply = self._request(sess, data)
+            if reply is not None:
+                try:
+                    sock.send(reply, socket.MSG_DONTWAIT)
+                except OSError as e:
+                    self.stats["group_reply_failed"] += 1
+                    log.info("group reply to pid %d failed: %s", sess.pid, e)
+
+    def _request(self, sess: Any, data: bytes) -> bytes | None:
+        try:
+            op, req = ctl.decode_request_untrusted(data)
+        except WireError as e:
+            return ctl.encode_error(Op.GROUP_LEAVE, errno.EINVAL, f"malformed request: {e}")
+        if op < Op.GROUP_JOIN:
+            return ctl.encode_error(op, errno.EINVAL, "a group's connection serves group requests only")
+        try:
+            return self.handle(sess, op, req)
+        except TableError as e:
+            return ctl.encode_error(op, e.errno, str(e), getattr(e, "private_data", b""))
 
     # -- requests of the local ranks --------------------------------------------------
     def handle(self, sess: Any, op: Op, req: Any) -> bytes | None:  # noqa: C901 (a switch on op)

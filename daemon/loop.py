@@ -131,6 +131,9 @@ class DataLoop:
         #: the control sockets alone, looked at while spinning: a request
         #: (a group's lock or barrier waits on it) must not wait out the spin
         self.control = select.epoll()
+        #: control sockets this loop reads itself (a group's connection, see
+        #: :meth:`serve_here`): fd -> what reads and answers it
+        self.served: dict[int, Callable[[], None]] = {}
         self.sleeping = False
 
     def close(self) -> None:
@@ -172,8 +175,34 @@ class DataLoop:
         self.control.register(fd, select.EPOLLIN | select.EPOLLRDHUP)
         self._watched.add(fd)
 
+    def serve_here(self, fd: int, serve: Callable[[], None]) -> None:
+        """Read the watched control socket ``fd`` here, with ``serve()``,
+        whenever it is readable, instead of waking trio for it: a group's
+        requests are answered within the pass that sees them."""
+        self.served[fd] = serve
+
+    def stop_serving(self, fd: int) -> None:
+        """``fd`` is at its end: leave it to its trio task again (which unwatches it)."""
+        if self.served.pop(fd, None) is not None:
+            try:
+                self.control.unregister(fd)
+            except OSError:
+                pass
+
+    def _control_ready(self) -> bool:
+        """Serve the ready sockets read here; True if one trio must read is ready."""
+        for_trio = False
+        for fd, _ in self.control.poll(0):
+            serve = self.served.get(fd)
+            if serve is None:
+                for_trio = True
+            else:
+                serve()
+        return for_trio
+
     def unwatch(self, fd: int) -> None:
         """Stop watching ``fd``; call before the fd is closed."""
+        self.served.pop(fd, None)
         if fd in self._watched:
             self._watched.discard(fd)
             for ep in (self.epoll, self.control):
@@ -200,6 +229,8 @@ class DataLoop:
                 busy += 1
                 if busy >= BUSY_PASSES:
                     busy = 0
+                    if self.served:
+                        self._control_ready()
                     await trio.lowlevel.checkpoint()  # let the control plane in
                 continue
             if self._spin():
@@ -216,7 +247,9 @@ class DataLoop:
         control = self.control.poll
         while clock() < spin_end:
             if control(0):
-                return False  # to the sleep step, which lets trio serve the request first
+                if self._control_ready():
+                    return False  # to the sleep step, which lets trio serve the request first
+                return True
             t0 = clock()
             os.sched_yield()
             t1 = clock()
@@ -243,7 +276,8 @@ class DataLoop:
         self.sleeping = True
         shm.full_fence()  # need_wakeup must be visible before we look at the rings once more
         try:
-            if host.poll_once() and not self.control.poll(0):
+            work = host.poll_once()
+            if not self._control_ready() and work:
                 return
             # Let every other trio task (control plane) run until all are blocked.
             # A bare checkpoint is not enough: a task woken in the same scheduler
@@ -262,7 +296,9 @@ class DataLoop:
             # the checkpoint above lets trio serve it; trio timers are honoured
             # through seconds_to_next_deadline.
             fired = self.epoll.poll(timeout - 0.001)  # rounded up to ms by epoll_wait: wake no later than due
-            if any(fd in self._watched for fd, _ in fired):
+            if any(fd in self.served for fd, _ in fired):
+                self._control_ready()
+            if any(fd in self._watched and fd not in self.served for fd, _ in fired):
                 # A client's request (a group's lock or barrier is one, and
                 # waits on this answer): serve it now, not after a spin.
                 await trio.testing.wait_all_tasks_blocked()

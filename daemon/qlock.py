@@ -335,7 +335,11 @@ class LockEngine:
         a = self.acq.get((m.proc, m.lock_id))
         if a is None or a.seq != m.seq or (a.state, ev) not in TRANSITIONS:
             self.stats["lock_stale_grant"] += 1
-            if ev == E.GRANT:  # a grant nobody expects must not lose the lock: give it back
+            if ev == E.GRANT and (a is None or a.seq != m.seq):
+                # A grant for an acquisition that is over must not lose the
+                # lock: give it back (the manager drops an UNLOCK that is not
+                # its last requester's).  One for the acquisition under way
+                # (held already) changes nothing.
                 self._send(self.manager_of(m.lock_id), LockMessage(LockType.UNLOCK, self.group, m.lock_id, m.proc, m.seq))
             return
         a.state = TRANSITIONS[(a.state, ev)]

@@ -94,13 +94,18 @@ class Rank:
         finally:
             self.stop()
 
-    def stop(self) -> None:
+    def stop(self) -> str:
+        """Kill the rank if it still runs; returns the end of what it wrote on stderr."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        err = ""
+        if self.proc.stderr is not None and not self.proc.stderr.closed:
+            err = self.proc.stderr.read().decode(errors="replace")[-1500:]
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if f is not None:
                 f.close()
+        return f"rank {self.rank} (rc {self.proc.returncode}): {err}" if err else ""
 
 
 _names = iter(range(1, 1 << 30))
@@ -117,6 +122,8 @@ def start(ds: list[DaemonProc], n: int, modes: dict[int, tuple[str, ...]]) -> li
             ranks.append(Rank(where[r], name, r, members, *modes[r]))
         for rk in ranks:
             rk.expect("joined")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n" + "\n".join(rk.stop() for rk in ranks)) from None
     except BaseException:
         for rk in ranks:
             rk.stop()
