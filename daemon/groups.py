@@ -206,6 +206,9 @@ class GroupService:
         if op == Op.GROUP_JOIN:
             return self._join(sess, req)
         m: Member | None = getattr(sess, "group_member", None)
+        if op == Op.LOCK_RELEASE:
+            self._release(m, req.lock_id)
+            return None
         if m is None or m.gone:
             raise TableError(errno.ENOTCONN, "this connection has not joined a group")
         if m.wait is not None:
@@ -214,13 +217,6 @@ class GroupService:
         now = self.device.clock()
         if op == Op.GROUP_LEAVE:
             self._leave(m, died=False)
-            return ctl.encode_reply(op)
-        if op == Op.LOCK_RELEASE:
-            try:
-                g.lock.release(m.rank, req.lock_id)
-            except LockUsageError as e:
-                raise TableError(e.errno, str(e)) from None
-            self._flush(g)
             return ctl.encode_reply(op)
         if op in (Op.LOCK_ACQUIRE, Op.LOCK_TRY):
             if g.locks_broken is not None:
@@ -251,6 +247,21 @@ class GroupService:
             self._flush(g)
             return self._waiting(m)
         raise TableError(errno.EOPNOTSUPP, op.name)
+
+    def _release(self, m: Member | None, lock_id: int) -> None:
+        """LOCK_RELEASE has no reply (the library knows what its rank holds,
+        and the next waiter should not wait for our answer): a release that
+        cannot be is counted and logged."""
+        if m is None or m.gone:
+            self.stats["group_release_refused"] += 1
+            return
+        try:
+            m.group.lock.release(m.rank, lock_id)
+        except LockUsageError as e:
+            self.stats["group_release_refused"] += 1
+            log.info("group %r: %s", m.group.name, e)
+            return
+        self._flush(m.group)
 
     def _waiting(self, m: Member) -> None:
         """No reply from the session task: the engines may have answered

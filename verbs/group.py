@@ -120,6 +120,8 @@ class Group(Resource):
             raise UserError(str(e)) from None
         self._ctl = _Control(ctx.socket_path, None)  # waits are the daemon's to end
         self._busy = False
+        #: the locks this rank holds (a release is sent, not waited for)
+        self.held: set[int] = set()
         try:
             rep = self._call(Op.GROUP_JOIN, join_timeout + 5, version=ctl.CTL_VERSION, rank=rank, size=self.size,
                              timeout_ms=int(timeout * 1000), join_timeout_ms=int(join_timeout * 1000), data=tail)
@@ -165,14 +167,19 @@ class Group(Resource):
         """
         ms = 0 if timeout is None else max(1, int(timeout * 1000))
         self._call(Op.LOCK_ACQUIRE, None, lock_id=_lock_id(lock_id), timeout_ms=ms)
+        self.held.add(lock_id)
 
     def release(self, lock_id: int) -> None:
-        """Let go of ``lock_id``; the next waiter gets it.  VerbsError EPERM if not held."""
-        self._call(Op.LOCK_RELEASE, None, lock_id=_lock_id(lock_id))
+        """Let go of ``lock_id``; the next waiter gets it.  Returns at once:
+        the daemon passes the lock on.  VerbsError EPERM if not held."""
+        self._send_release(lock_id)
 
     def trylock(self, lock_id: int) -> bool:
         """Take ``lock_id`` if nobody holds or waits for it; never waits for it."""
-        return bool(self._call(Op.LOCK_TRY, None, lock_id=_lock_id(lock_id)).granted)
+        got = bool(self._call(Op.LOCK_TRY, None, lock_id=_lock_id(lock_id)).granted)
+        if got:
+            self.held.add(lock_id)
+        return got
 
     @contextlib.contextmanager
     def lock(self, lock_id: int, timeout: float | None = None) -> Iterator[None]:
@@ -188,12 +195,18 @@ class Group(Resource):
         """trio flavour of :meth:`acquire`."""
         ms = 0 if timeout is None else max(1, int(timeout * 1000))
         await self._call_async(Op.LOCK_ACQUIRE, lock_id=_lock_id(lock_id), timeout_ms=ms)
+        self.held.add(lock_id)
 
     async def release_async(self, lock_id: int) -> None:
-        await self._call_async(Op.LOCK_RELEASE, lock_id=_lock_id(lock_id))
+        """trio flavour of :meth:`release` (which never waits)."""
+        self._send_release(lock_id)
+        await trio.lowlevel.checkpoint()
 
     async def trylock_async(self, lock_id: int) -> bool:
-        return bool((await self._call_async(Op.LOCK_TRY, lock_id=_lock_id(lock_id))).granted)
+        got = bool((await self._call_async(Op.LOCK_TRY, lock_id=_lock_id(lock_id))).granted)
+        if got:
+            self.held.add(lock_id)
+        return got
 
     @contextlib.asynccontextmanager
     async def lock_async(self, lock_id: int, timeout: float | None = None) -> AsyncIterator[None]:
@@ -226,6 +239,21 @@ class Group(Resource):
         return int((await self._call_async(Op.BARRIER, **_barrier_args(algorithm, arity))).generation)
 
     # -- the connection --------------------------------------------------------------------
+    def _send_release(self, lock_id: int) -> None:
+        self._check_open()
+        if _lock_id(lock_id) not in self.held:
+            raise VerbsError(f"rank {self.rank} does not hold lock {lock_id}", errno.EPERM)
+        if self._busy:
+            raise UserError("one request at a time per Group (use one Group per thread or task)")
+        sock = self._ctl.sock
+        if sock is None:
+            raise UserError("the group's connection is closed")
+        try:
+            sock.send(ctl.encode_request(Op.LOCK_RELEASE, lock_id=lock_id))
+        except OSError as e:
+            raise VerbsError(f"LOCK_RELEASE: control connection failed: {e}", e.errno or errno.EIO) from None
+        self.held.discard(lock_id)
+
     def _call(self, op: Op, timeout_s: float | None, **fields: Any) -> Any:
         self._check_open()
         if self._busy:

@@ -167,7 +167,7 @@ REQUESTS: dict[Op, Layout] = {
     Op.GROUP_LEAVE: _E,
     Op.LOCK_ACQUIRE: Layout("LockAcquire", "II", "lock_id timeout_ms"),  # timeout 0: wait until granted
     Op.LOCK_TRY: Layout("LockTry", "I", "lock_id"),
-    Op.LOCK_RELEASE: Layout("LockRelease", "I", "lock_id"),
+    Op.LOCK_RELEASE: Layout("LockRelease", "I", "lock_id"),  # answered by nothing: see REPLIES
     Op.BARRIER: Layout("Barrier", "II", "algorithm arity"),
 }
 
@@ -218,7 +218,7 @@ REPLIES: dict[Op, Layout] = {
     Op.GROUP_LEAVE: _E,
     Op.LOCK_ACQUIRE: _E,
     Op.LOCK_TRY: Layout("LockTryRep", "I", "granted"),
-    Op.LOCK_RELEASE: _E,
+    Op.LOCK_RELEASE: _E,  # never sent: a release is not waited for (the library checks what it holds)
     Op.BARRIER: Layout("BarrierRep", "I", "generation"),
 }
 
