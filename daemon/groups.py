@@ -539,7 +539,9 @@ class GroupService:
 
     def _send_to(self, pl: "PeerLink", kind: int, body: bytes) -> None:
         if pl.up:
-            pl.send(envelope.encode(kind, envelope.CM_QPN, envelope.CM_QPN, body))
+            msg = envelope.encode(kind, envelope.CM_QPN, envelope.CM_QPN, body)
+            if pl.send_alone(msg) is None:
+                pl.send(msg)
             self.device.loop.wake()
 
     # -- time: request deadlines and liveness --------------------------------------------------------
