@@ -374,7 +374,9 @@ class GroupService:
         if status == LeaveStatus.DIED:
             for m in list(g.local.values()):
                 w = m.wait
-                if w is not None and w.op == Op.LOCK_ACQUIRE:
+                # (a rank already told of this death, by the lock it passed
+                # on, is waiting again on purpose)
+                if w is not None and w.op == Op.LOCK_ACQUIRE and rank not in m.told:
                     g.lock.abandon(m.rank, w.key)
                     self._fail(m, rank, f"{why}: the data its locks protected may be half-updated")
 
