@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Parse flags and TOML (``config.py``), set the process's allocator to keep
-freed memory for reuse (``heap.py``), bind the UDP socket and the control
+Parse flags and TOML (``config.py``), check that the control socket's
+directory is the user's and mode 0700 (exit 2 otherwise), set the
+process's allocator to keep freed memory for reuse (``heap.py``), bind the UDP socket and the control
 socket (refusing clearly if another daemon holds either), then run one trio
 nursery holding the control server, the data-path loop and a signal
 watcher; SIGINT/SIGTERM cancel the nursery and every resource is released
@@ -35,7 +36,6 @@ log = logging.getLogger("udpverbs.daemon")
 async def run(cfg: dict[str, Any]) -> None:
     """Serve until SIGINT/SIGTERM.  Raises OSError when the port or socket is taken."""
     path = cfg["socket"]
-    dconfig.make_runtime_dir(os.path.dirname(path) or ".")
     check_socket_free(path)
     device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
                                  spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     try:
         cfg = dconfig.configure(argv)
+        # Refused before anything is bound: the socket's directory must be
+        # ours and private (the uid is the trust boundary; README "Trust").
+        dconfig.make_runtime_dir(os.path.dirname(cfg["socket"]) or ".")
     except (ValueError, OSError) as e:
         print(f"udpverbsd: {e}", file=sys.stderr)
         return 2

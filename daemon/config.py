@@ -51,15 +51,18 @@ socket_path = ctl.socket_path
 
 
 def make_runtime_dir(path: str) -> None:
-    """Create the runtime dir 0700 (or check an existing one is ours and private).
+    """Create the runtime dir 0700, or check that an existing one is ours and private.
 
     Raises:
-        PermissionError: the directory belongs to someone else.
+        PermissionError: the directory belongs to someone else or others may
+            use it (``ctl.private_dir_problem``); the message says how to fix it.
     """
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to us")
+    problem = ctl.private_dir_problem(path)
+    if problem is not None:
+        raise PermissionError(f"{problem}; another user could replace the control socket. "
+                              f"Fix: chmod 700 {path} if it is yours, else remove it "
+                              "(or point UDPVERBS_RUNTIME_DIR or XDG_RUNTIME_DIR at a private directory)")
 
 
 def parser() -> argparse.ArgumentParser:
