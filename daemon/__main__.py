@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from . import config as dconfig
-from . import heap
+from . import heap, quota
 from .cm import ConnectionManager
 from .groups import GroupService
 from .control import check_socket_free, serve_control
@@ -40,7 +40,7 @@ async def run(cfg: dict[str, Any]) -> None:
     device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
                                  spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
                                  link=cfg["link"], gso=cfg["gso"], native=cfg["native"],
-                                 rx_dispatch_budget=cfg["rx_dispatch_budget"]))
+                                 rx_dispatch_budget=cfg["rx_dispatch_budget"], quota=cfg["quota"]))
     try:
         try:
             ip, port = device.bind()
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=str(cfg["log_level"]).upper(), stream=sys.stderr,
                         format="%(asctime)s udpverbsd[%(process)d] %(levelname)s %(message)s")
     heap.keep_freed_heap(cfg["heap_keep_mb"])
+    soft, hard = quota.raise_fd_limit()  # every context and region holds fds (quota.FD_COST)
+    log.debug("file descriptors: %d (hard limit %d)", soft, hard)
     try:
         trio.run(run, cfg)
     except OSError as e:
