@@ -74,7 +74,10 @@ class _Control:
             VerbsError: the daemon refused (its errno), or the connection broke.
             TimeoutError: no reply within the timeout.
         """
-        msg = ctl.encode_request(op, **fields)
+        try:
+            msg = ctl.encode_request(op, **fields)
+        except (struct.error, OverflowError) as e:  # a negative length or count, or one too large
+            raise UserError(f"{op.name}: an argument is out of range ({e})") from None
         with self._lock:
             s = self.sock
             if s is None:
