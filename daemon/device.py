@@ -48,7 +48,7 @@ A pass (:meth:`Device.poll_once`) does, without awaiting:
 Between those steps, an application's answer to what this pass delivered
 is taken as soon as it is posted (``QPScheduler.answer_early``).  Time comes
 only from the device's ``clock`` (trio's, in the daemon); randomness from
-one seeded ``random.Random``.
+one seeded ``random.Random`` (and STags from the system's, unless seeded).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import errno
 import logging
 import os
 import random
+import secrets
 from typing import Any, Iterable
 
 import trio
@@ -112,7 +113,10 @@ class Device:
         self.node_guid = self.rng.getrandbits(64)
         self.gid = ctl.gid_from_ip(config.addr)
         self.link_config = link_config(config)
-        self.stags = tables.STagTable()
+        # STags must not be guessable (issue 41): from the system's random
+        # source, or, when the daemon is seeded (twin tests), from the seed
+        stag_rng = secrets.SystemRandom() if config.seed is None else random.Random(f"stags {config.seed}")
+        self.stags = tables.STagTable(rng=stag_rng)
         self.pds = tables.Handles(config.max_pd)
         self.mrs = tables.Handles(config.max_mr)
         self.cqs = tables.Handles(config.max_cq)

@@ -4,10 +4,13 @@ Theory of operation
 -------------------
 The ExpEther RNIC keeps an *STag Management Table* (per STag: base, length,
 access rights, owner); so do we.  An STag is 32 bits: the upper 24 bits
-index the table, the low 8 bits are a *key* that changes every time the
-index is registered again (RFC 5040 §2.1 calls the low byte the consumer
-key; here the daemon picks it), so a stale STag from a deregistered region,
-or a guessed one, does not resolve (``STagTable.lookup`` returns None).
+index the table, the low 8 bits are a *key* (RFC 5040 §2.1 calls the low
+byte the consumer key; here the daemon picks it), so a stale STag from a
+deregistered region, or a guessed one, does not resolve
+(``STagTable.lookup`` returns None).  Neither part is predictable from the
+STags seen before (RFC 5040 §8.1.1 wants STags hard to guess): the key is
+drawn at random on every registration (never the index's previous key, so
+a stale STag fails) and the index is drawn at random from the free ones.
 
 Every check a tagged segment needs (RFC 5040 §6.4 / RFC 5041 §7.2: STag
 valid, region belongs to the QP's PD, access allowed, offset + length inside
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import random
 from typing import Any
 
 from ..wire.shm import AccessFlags, QPAttrMask as M, QPState as S
@@ -114,15 +118,24 @@ class MemoryRegion:
 
 
 class STagTable:
-    """STag -> MemoryRegion, with an 8-bit key per index that changes on reuse."""
+    """STag -> MemoryRegion; the index and the 8-bit key of each STag are drawn from ``rng``.
 
-    def __init__(self, max_entries: int = MAX_STAG_INDEX) -> None:
+    ``rng``: where the randomness comes from (the daemon passes
+    ``secrets.SystemRandom()``, or a seeded ``random.Random`` when it is
+    seeded, so that twin devices give equal STags); by default the system's.
+    """
+
+    #: indices made free at a time as the table grows, to draw from
+    GROW = 64
+
+    def __init__(self, max_entries: int = MAX_STAG_INDEX, rng: random.Random | None = None) -> None:
         if not 0 < max_entries <= MAX_STAG_INDEX:
             raise ValueError("max_entries out of range")
         self._slots: list[MemoryRegion | None] = [None]  # index 0 is never used: STag 0 is invalid
         self._keys: list[int] = [0]
         self._free: list[int] = []
         self._max = max_entries
+        self._rng: random.Random = rng if rng is not None else random.SystemRandom()
         self.count = 0
         # moves on every registration and invalidation: what was resolved
         # against the table before still holds while it stays
@@ -134,17 +147,22 @@ class STagTable:
         Raises:
             TableError: ENOMEM when every index is in use.
         """
-        if self._free:
-            idx = self._free.pop()
-        elif len(self._slots) <= self._max:
-            idx = len(self._slots)
-            self._slots.append(None)
-            self._keys.append(0)
-        else:
-            raise TableError(errno.ENOMEM, "STag table full")
-        # A new key on every registration: an STag of the previous region at
-        # this index no longer resolves.
-        key = (self._keys[idx] + 1) & 0xFF
+        free = self._free
+        if not free:
+            top = len(self._slots)
+            n = min(self.GROW, self._max + 1 - top)
+            if n <= 0:
+                raise TableError(errno.ENOMEM, "STag table full")
+            self._slots.extend([None] * n)
+            self._keys.extend([0] * n)
+            free.extend(range(top, top + n))
+        # a random free index (swap it to the end, then pop)
+        at = self._rng.randrange(len(free))
+        free[at], free[-1] = free[-1], free[at]
+        idx = free.pop()
+        # A random key, never the previous one at this index: an STag of the
+        # previous region here no longer resolves.
+        key = (self._keys[idx] + self._rng.randrange(1, 256)) & 0xFF
         self._keys[idx] = key
         self._slots[idx] = mr
         mr.stag = (idx << 8) | key

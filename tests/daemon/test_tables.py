@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import random
 
 import pytest
 from hypothesis import given, strategies as st
@@ -19,14 +20,16 @@ def _mr(pd: tables.ProtectionDomain, access: int = A.IBV_ACCESS_REMOTE_WRITE, ad
 
 
 def test_stag_key_changes_on_every_reregistration() -> None:
-    t = STagTable()
+    t = STagTable(max_entries=1, rng=random.Random(1))
     pd = tables.ProtectionDomain(1, None)
     seen = set()
     stag = 0
-    for _ in range(300):  # wraps the 8-bit key
+    for _ in range(4000):
         mr = _mr(pd)
+        old = stag
         stag = t.register(mr)
         assert stag >> 8 == 1 and t.lookup(stag) is mr
+        assert stag != old  # the index's previous key never comes back at once
         assert t.invalidate(stag) is mr
         assert t.lookup(stag) is None  # stale after deregistration
         seen.add(stag & 0xFF)
@@ -34,7 +37,7 @@ def test_stag_key_changes_on_every_reregistration() -> None:
 
 
 def test_stale_and_guessed_stags_do_not_resolve() -> None:
-    t = STagTable()
+    t = STagTable(max_entries=1)
     pd = tables.ProtectionDomain(1, None)
     a = _mr(pd)
     sa = t.register(a)
@@ -44,6 +47,41 @@ def test_stale_and_guessed_stags_do_not_resolve() -> None:
     assert sb >> 8 == sa >> 8 and sb != sa
     assert t.lookup(sa) is None and t.lookup(sb) is b
     assert t.lookup(0) is None and t.lookup(0xFFFFFFFF) is None and t.lookup(sb ^ 1) is None
+
+
+def test_stag_of_a_reregistered_region_is_refused() -> None:
+    # issue 41: the old STag of a region deregistered and registered again
+    # names nothing, wherever the new registration lands
+    t = STagTable()
+    pd = tables.ProtectionDomain(1, None)
+    live = [t.register(_mr(pd)) for _ in range(10)]
+    for _ in range(200):
+        old = live.pop(0)
+        t.invalidate(old)
+        live.append(t.register(_mr(pd)))
+        assert t.lookup(old) is None or old in live
+    assert all(t.lookup(s) is not None for s in live)
+
+
+def test_stags_are_not_sequential() -> None:
+    # issue 41: on main two registrations gave 0x101, 0x201, ...: the next
+    # STag was known from the last.  Now neither index nor key follows.
+    t = STagTable()
+    pd = tables.ProtectionDomain(1, None)
+    stags = [t.register(_mr(pd)) for _ in range(64)]
+    assert stags != [(i << 8) | 1 for i in range(1, 65)]
+    steps = {b - a for a, b in zip(stags, stags[1:])}
+    assert len(steps) > 8  # no fixed stride between consecutive STags
+    assert len({s & 0xFF for s in stags}) > 16  # keys spread over the byte
+    assert len({s >> 8 for s in stags}) == 64
+    assert [s >> 8 for s in stags] != sorted(s >> 8 for s in stags)
+
+
+def test_seeded_stag_tables_agree() -> None:
+    # twin devices built from one seed give equal STags
+    pd = tables.ProtectionDomain(1, None)
+    a, b = STagTable(rng=random.Random(7)), STagTable(rng=random.Random(7))
+    assert [a.register(_mr(pd)) for _ in range(20)] == [b.register(_mr(pd)) for _ in range(20)]
 
 
 def test_stag_table_full() -> None:
