@@ -602,9 +602,13 @@ async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> 
 
 
 async def _refuse(conn: trio.socket.SocketType, code: int, text: str) -> None:
-    """Answer the client's first request (HELLO) with ``code``, then hang up."""
+    """Answer the client's first request (HELLO) with ``code``, then hang up.
+
+    The request is read first: closing a socket with a message still unread
+    resets the connection, and the client would see ECONNRESET, not why."""
     try:
         with trio.move_on_after(1.0):
+            await conn.recv(ctl.MAX_CTL_MESSAGE)
             await conn.send(ctl.encode_error(Op.HELLO, code, text))
     except OSError:
         pass
