@@ -340,6 +340,11 @@ class GroupService:
             if d != g.me and d not in g.dead_daemons:
                 self._send_group(g, d, GroupMessage(GroupType.LEAVE, g.gid, m.rank, m.released, status))
         self._member_gone(g, m.rank, status, m.released)
+        # Its arrival at a barrier it was not released from may already be
+        # counted here: this daemon must not complete that barrier for it.
+        # Every later one fails everywhere (the LEAVE says after which).
+        g.barrier.fail(f"rank {m.rank} {'died' if status == LeaveStatus.DIED else 'left the group'}"
+                       f" after barrier {m.released}")
         self._flush(g)
 
     def session_closed(self, sess: Any) -> None:
