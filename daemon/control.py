@@ -58,7 +58,7 @@ class Session:
         self.pid = pid
         self.closed = False
         # Out of fds or memory here is the client's error, not the daemon's
-        # exit (issue 41): give back what was made, let the caller answer.
+        # exit: give back what was made, let the caller answer.
         self.ctx_fd, self.ctx_mm = shm.new_segment(shm.CtxLayout.size, "uv-ctx")
         made: list[int] = []
         try:

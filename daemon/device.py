@@ -113,7 +113,7 @@ class Device:
         self.node_guid = self.rng.getrandbits(64)
         self.gid = ctl.gid_from_ip(config.addr)
         self.link_config = link_config(config)
-        # STags must not be guessable (issue 41): from the system's random
+        # STags must not be guessable: from the system's random
         # source, or, when the daemon is seeded (twin tests), from the seed
         stag_rng = secrets.SystemRandom() if config.seed is None else random.Random(f"stags {config.seed}")
         self.stags = tables.STagTable(rng=stag_rng)

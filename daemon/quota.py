@@ -6,8 +6,8 @@ A client is a process (the pid SO_PEERCRED names): all the control
 connections of one process share one budget, since the connection manager
 and process groups open more than one.  What it may hold at once: QPs, CQs,
 MRs, bytes of registered memory, and file descriptors of the daemon's — the
-resource that used to run out first (issue 41: the daemon died at the 48th
-context under ``--nofile=256``).  Every fd-holding object costs what the
+resource that runs out first (without a share, one client could take them
+all and the next context would find none).  Every fd-holding object costs what the
 daemon keeps open for it (``FD_COST``), and a client may hold at most
 ``fd_share`` of the daemon's fd limit, so others keep the rest.  A request
 beyond a quota is refused with ENOMEM, as a real RNIC refuses what its

@@ -285,7 +285,7 @@ class QP(Resource):
         ctx = pd.ctx
         srq = init_attr.srq
         # Handles are per daemon: another context's CQ (on another device) would
-        # name some CQ of this one (issue 41), so the library checks the parent.
+        # name some CQ of this one, so the library checks the parent.
         for what, obj in (("send CQ", scq), ("receive CQ", rcq), ("SRQ", srq)):
             if obj is not None and getattr(obj, "ctx", None) is not ctx:
                 raise VerbsError(f"the {what} belongs to another context than the PD", errno.EINVAL)

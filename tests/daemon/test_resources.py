@@ -1,4 +1,4 @@
-"""Resources never kill the daemon (issue 41, hole 2).
+"""Resources never kill the daemon.
 
 A greedy application opens contexts, regions and CQs until it is refused.
 It must get clean errors (ENOMEM from its quota, or the errno of the

@@ -1,4 +1,4 @@
-"""Local trust (issue 41, hole 1): the uid is the boundary.
+"""Local trust: the uid is the boundary.
 
 The daemon serves its control socket only from a directory that is the
 user's and mode 0700; the client uses a socket only in such a directory and

@@ -1,4 +1,4 @@
-"""Misuse the daemon cannot see is refused by the library (issue 41, item 6)."""
+"""Misuse the daemon cannot see is refused by the library."""
 
 from __future__ import annotations
 
