@@ -50,7 +50,7 @@ def test_stale_and_guessed_stags_do_not_resolve() -> None:
 
 
 def test_stag_of_a_reregistered_region_is_refused() -> None:
-    # issue 41: the old STag of a region deregistered and registered again
+    # The old STag of a region deregistered and registered again
     # names nothing, wherever the new registration lands
     t = STagTable()
     pd = tables.ProtectionDomain(1, None)
@@ -64,8 +64,8 @@ def test_stag_of_a_reregistered_region_is_refused() -> None:
 
 
 def test_stags_are_not_sequential() -> None:
-    # issue 41: on main two registrations gave 0x101, 0x201, ...: the next
-    # STag was known from the last.  Now neither index nor key follows.
+    # Sequential STags (0x101, 0x201, ...) would give the next away from
+    # the last: neither index nor key may follow.
     t = STagTable()
     pd = tables.ProtectionDomain(1, None)
     stags = [t.register(_mr(pd)) for _ in range(64)]
