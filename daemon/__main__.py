@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Parse flags and TOML (``config.py``), set the process's allocator to keep
-freed memory for reuse (``heap.py``), bind the UDP socket and the control
+Parse flags and TOML (``config.py``), check that the control socket's
+directory is the user's and mode 0700 (exit 2 otherwise), set the
+process's allocator to keep freed memory for reuse (``heap.py``), bind the UDP socket and the control
 socket (refusing clearly if another daemon holds either), then run one trio
 nursery holding the control server, the data-path loop and a signal
 watcher; SIGINT/SIGTERM cancel the nursery and every resource is released
@@ -23,7 +24,7 @@ from typing import Any
 import trio
 
 from . import config as dconfig
-from . import heap
+from . import heap, quota
 from .cm import ConnectionManager
 from .groups import GroupService
 from .control import check_socket_free, serve_control
@@ -35,12 +36,11 @@ log = logging.getLogger("udpverbs.daemon")
 async def run(cfg: dict[str, Any]) -> None:
     """Serve until SIGINT/SIGTERM.  Raises OSError when the port or socket is taken."""
     path = cfg["socket"]
-    dconfig.make_runtime_dir(os.path.dirname(path) or ".")
     check_socket_free(path)
     device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
                                  spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
                                  link=cfg["link"], gso=cfg["gso"], native=cfg["native"],
-                                 rx_dispatch_budget=cfg["rx_dispatch_budget"]))
+                                 rx_dispatch_budget=cfg["rx_dispatch_budget"], quota=cfg["quota"]))
     try:
         try:
             ip, port = device.bind()
@@ -72,12 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     try:
         cfg = dconfig.configure(argv)
+        # Refused before anything is bound: the socket's directory must be
+        # ours and private (the uid is the trust boundary; README "Trust").
+        dconfig.make_runtime_dir(os.path.dirname(cfg["socket"]) or ".")
     except (ValueError, OSError) as e:
         print(f"udpverbsd: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=str(cfg["log_level"]).upper(), stream=sys.stderr,
                         format="%(asctime)s udpverbsd[%(process)d] %(levelname)s %(message)s")
     heap.keep_freed_heap(cfg["heap_keep_mb"])
+    soft, hard = quota.raise_fd_limit()  # every context and region holds fds (quota.FD_COST)
+    log.debug("file descriptors: %d (hard limit %d)", soft, hard)
     try:
         trio.run(run, cfg)
     except OSError as e:

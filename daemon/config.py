@@ -26,6 +26,7 @@ from ..transport.link import LinkConfig
 from ..wire import ctl
 from ..wire import link as wire_link
 from . import heap
+from .quota import Quota
 
 DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
 DEFAULT_MTU = 1472  #: UDP payload of a 1500-byte Ethernet MTU
@@ -51,15 +52,18 @@ socket_path = ctl.socket_path
 
 
 def make_runtime_dir(path: str) -> None:
-    """Create the runtime dir 0700 (or check an existing one is ours and private).
+    """Create the runtime dir 0700, or check that an existing one is ours and private.
 
     Raises:
-        PermissionError: the directory belongs to someone else.
+        PermissionError: the directory belongs to someone else or others may
+            use it (``ctl.private_dir_problem``); the message says how to fix it.
     """
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to us")
+    problem = ctl.private_dir_problem(path)
+    if problem is not None:
+        raise PermissionError(f"{problem}; another user could replace the control socket. "
+                              f"Fix: chmod 700 {path} if it is yours, else remove it "
+                              "(or point UDPVERBS_RUNTIME_DIR or XDG_RUNTIME_DIR at a private directory)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cc", help="link congestion control: efe-host, efe, aimd or fixed (default efe-host: EFE tuned for host scheduling noise)")
     p.add_argument("--link", action="append", default=[], metavar="KEY=VALUE",
                    help="a transport.LinkConfig field, e.g. --link dead_peer_s=1.0 (repeatable)")
+    p.add_argument("--quota", action="append", default=[], metavar="KEY=VALUE",
+                   help="what one client (process) may hold at once, refused with ENOMEM beyond: qp (default 1024), "
+                   "cq (1024), mr (4096), mr_bytes (256 GiB), fd_share (0.25 of the daemon's file descriptors); "
+                   "repeatable")
     p.add_argument("--seed", type=int, help="seed of the daemon's random numbers (tags, ISNs)")
     p.add_argument("--no-gso", dest="gso", action="store_const", const=False,
                    help="send and receive every datagram with its own system call (no UDP_SEGMENT / UDP_GRO batching)")
@@ -134,7 +142,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
             data = tomllib.load(f)
         for k, v in data.items():
             key = k.replace("-", "_")
-            if key not in _KEYS and key != "link":
+            if key not in _KEYS and key not in ("link", "quota"):
                 raise ValueError(f"{args.config}: unknown key {k!r}")
             cfg[key] = v
     for k in _KEYS:
@@ -149,17 +157,26 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
         raise ValueError(f"rx_dispatch_budget must be a whole number, not {budget!r}")
     heap.check_keep_mb(cfg["heap_keep_mb"])
     check_mtu(cfg["mtu"])
-    link = dict(cfg.pop("link", {}) or {})
-    for item in args.link:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--link {item!r}: expected KEY=VALUE")
-        link[key.strip()] = value.strip()
-    cfg["link"] = link
+    cfg["link"] = _settings("link", cfg, args.link)
+    cfg["quota"] = Quota.from_settings(_settings("quota", cfg, args.quota))
     cfg["ready_fd"] = args.ready_fd
     if cfg["socket"] is None:
         cfg["socket"] = socket_path(cfg["name"])
     return cfg
+
+
+def _settings(table: str, cfg: dict[str, Any], flags: list[str]) -> dict[str, Any]:
+    """A TOML table (``[link]``, ``[quota]``) overridden by its ``--TABLE KEY=VALUE`` flags.
+
+    Raises: ValueError for a flag without ``=``.
+    """
+    out = dict(cfg.pop(table, {}) or {})
+    for item in flags:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--{table} {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
@@ -198,7 +215,8 @@ class DeviceConfig:
                  max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
-                 gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8) -> None:
+                 gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8,
+                 quota: Quota | None = None) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -215,6 +233,8 @@ class DeviceConfig:
         self.seed = seed
         self.cc = cc
         self.link = dict(link or {})
+        #: what one client may hold (quota.py)
+        self.quota = quota or Quota()
         self.gso = gso
         #: the compiled lanes for tagged segments, receive and send (wire/native.py)
         self.native = native

@@ -36,7 +36,7 @@ from ..wire import ctl, shm
 from ..wire.ctl import Op
 from ..wire.errors import WireError
 from ..wire.shm import AccessFlags, QPAttrMask as M, QPState as S, QPType, SrqAttrMask
-from . import tables
+from . import quota, tables
 from .device import Device
 from .cq import CompChannel, CompletionQueue, SharedReceiveQueue
 from .qp import QueuePair
@@ -57,13 +57,23 @@ class Session:
         self.conn = conn
         self.pid = pid
         self.closed = False
+        # Out of fds or memory here is the client's error, not the daemon's
+        # exit (issue 41): give back what was made, let the caller answer.
         self.ctx_fd, self.ctx_mm = shm.new_segment(shm.CtxLayout.size, "uv-ctx")
+        made: list[int] = []
+        try:
+            for _ in range(2):
+                made.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        except OSError:
+            for fd in (*made, self.ctx_fd):
+                os.close(fd)
+            self.ctx_mm.close()
+            raise
+        self.doorbell, self.async_fd = made
         self._page_buf = shm.ffi.from_buffer(self.ctx_mm)
         self.page = shm.ffi.cast("struct uv_ctx_page *", self._page_buf)
         self.async_ring = shm.Ring(self.ctx_mm, shm.CtxLayout.async_offset, "struct uv_async_event",
                                    shm.ASYNC_RING_ENTRIES, init=True)
-        self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.async_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.hello = False
         self.fatal_sent = False
         self.pds: set[int] = set()
@@ -73,6 +83,7 @@ class Session:
         self.qps: set[int] = set()
         self.srqs: set[int] = set()
         self.listeners: set[int] = set()
+        self.mr_bytes = 0  # registered memory held, for the client's quota
         self.group_member: Any = None  # the rank this connection joined as (groups.py)
 
     # -- helpers the data path calls ---------------------------------------------
@@ -102,6 +113,11 @@ class Session:
             pass
 
     # -- ownership ----------------------------------------------------------------
+    def _charge(self, kind: str, nbytes: int = 0) -> None:
+        """Refuse (ENOMEM) one more ``kind`` beyond this client's quota (``quota.py``)."""
+        mine = [s for s in self.device.sessions if s.pid == self.pid]
+        quota.check(self.device.config.quota, mine, kind, nbytes)
+
     def _qp(self, qpn: int) -> QueuePair:
         qp = self.device.qps.get(qpn)
         if qp is None or (qp.session is not self and qp.session.pid != self.pid):
@@ -174,10 +190,12 @@ class Session:
                 not req.access & AccessFlags.IBV_ACCESS_LOCAL_WRITE:
             # verbs: remote write/atomic require local write (ibv_reg_mr(3)).
             raise TableError(errno.EINVAL, "REMOTE_WRITE needs LOCAL_WRITE")
+        self._charge("mr", req.length)
         try:
             mm = shm.map_segment_untrusted(fds[0], shm.page_round(req.length))
         except (OSError, ValueError) as e:
-            raise TableError(errno.EINVAL, f"cannot map the region: {e}") from None
+            code = e.errno if isinstance(e, OSError) and e.errno in quota.RESOURCE_ERRNOS else errno.EINVAL
+            raise TableError(code, f"cannot map the region: {e}") from None
         mr = tables.MemoryRegion(0, pd, req.access, req.addr, req.length, mm)
         try:
             h = d.mrs.add(mr)
@@ -188,6 +206,7 @@ class Session:
         mr.handle = h
         pd.mrs.add(h)
         self.mrs.add(h)
+        self.mr_bytes += req.length
         return ctl.encode_reply(Op.REG_MR, mr_handle=h, lkey=mr.stag, rkey=mr.stag), []
 
     def op_dereg_mr(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
@@ -203,6 +222,7 @@ class Session:
         d.mrs.pop(mr.handle)
         mr.pd.mrs.discard(mr.handle)
         self.mrs.discard(mr.handle)
+        self.mr_bytes -= mr.length
         # A WR still gathering from, scattering into, or answering a Read from
         # this region would touch a released mapping: end those QPs first.
         view = mr.view
@@ -212,6 +232,7 @@ class Session:
         mr.close()
 
     def op_create_comp_channel(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        self._charge("channel")
         ch = CompChannel(0, self)
         ch.handle = self.device.channels.add(ch)
         self.channels.add(ch.handle)
@@ -231,6 +252,7 @@ class Session:
         if not 1 <= req.cqe <= d.config.max_cqe:
             raise TableError(errno.EINVAL, f"cqe must be 1..{d.config.max_cqe}")
         ch = d.channels.get(req.channel_handle, self) if req.channel_handle else None
+        self._charge("cq")
         cq = CompletionQueue(0, self, req.cqe, ch)
         try:
             cq.handle = d.cqs.add(cq)
@@ -277,6 +299,7 @@ class Session:
         srq = d.srqs.get(req.srq_handle, self) if req.srq_handle else None
         if srq is not None and srq.pd is not pd:
             raise TableError(errno.EINVAL, "the SRQ belongs to another PD")
+        self._charge("qp")
         qpn = d.alloc_qpn()
         qp = QueuePair(d, qpn, self, pd, scq, rcq, caps, bool(req.sq_sig_all), srq)
         if srq is not None:
@@ -339,6 +362,7 @@ class Session:
         pd = d.pds.get(req.pd_handle, self)
         if not (1 <= req.max_wr <= d.config.max_qp_wr and 1 <= req.max_sge <= MAX_SGE):
             raise TableError(errno.EINVAL, f"SRQ needs 1..{d.config.max_qp_wr} WRs and 1..{MAX_SGE} SGEs")
+        self._charge("srq")
         srq = SharedReceiveQueue(0, self, pd, req.max_wr, req.max_sge, req.srq_limit)
         try:
             srq.handle = d.srqs.add(srq)
@@ -505,7 +529,15 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
     if pid < 0:
         conn.close()
         return
-    sess = Session(device, conn, pid)
+    try:
+        quota.check(device.config.quota, [s for s in device.sessions if s.pid == pid], "context")
+        sess = Session(device, conn, pid)
+    except (TableError, OSError) as e:
+        # Refused to this client alone: the answer to the HELLO it sends first.
+        code = e.errno if isinstance(e, TableError) or e.errno in quota.RESOURCE_ERRNOS else errno.EIO
+        log.warning("refusing a context to pid %d: %s", pid, e)
+        await _refuse(conn, code, f"cannot open a context: {e}")
+        return
     device.sessions.add(sess)
     device.sessions_changed()
     device.loop.add_doorbell(sess.doorbell)
@@ -562,6 +594,48 @@ async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> 
         return sess.handle(op, req, fds)
     except TableError as e:
         return ctl.encode_error(op, e.errno, str(e), getattr(e, "private_data", b"")), []
+    except OSError as e:
+        if e.errno not in quota.RESOURCE_ERRNOS:
+            raise
+        # memfd_create, mmap or eventfd found the process out of fds or memory
+        return ctl.encode_error(op, e.errno, f"the daemon is out of resources: {e}"), []
+
+
+async def _refuse(conn: trio.socket.SocketType, code: int, text: str) -> None:
+    """Answer the client's first request (HELLO) with ``code``, then hang up.
+
+    The request is read first: closing a socket with a message still unread
+    resets the connection, and the client would see ECONNRESET, not why."""
+    try:
+        with trio.move_on_after(1.0):
+            await conn.recv(ctl.MAX_CTL_MESSAGE)
+            await conn.send(ctl.encode_error(Op.HELLO, code, text))
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+async def _refuse_waiting(sock: trio.socket.SocketType, spare: int | None, code: int) -> int | None:
+    """Out of fds: accept the waiting client on the spare fd and refuse it.
+
+    Returns the new spare fd (None when none could be taken back: then the
+    next failure waits a little instead, so as not to spin).
+    """
+    if spare is None:
+        await trio.sleep(0.05)
+    else:
+        os.close(spare)
+        try:
+            conn, _ = sock._sock.accept()  # the client is waiting: this does not block
+        except OSError:
+            await trio.sleep(0.05)
+        else:
+            await _refuse(trio.socket.from_stdlib_socket(conn), code, "the daemon is out of file descriptors")
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _op_of(data: bytes) -> Op:
@@ -612,13 +686,25 @@ async def serve_control(device: Device, path: str, task_status: Any = trio.TASK_
     os.chmod(path, 0o600)
     sock.listen(128)
     device.loop.watch(sock.fileno())
+    # One fd kept in reserve: when accept() finds none free, this one is
+    # given up to accept the waiting client and tell it why, then taken back.
+    spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
-                conn, _ = await sock.accept()
+                try:
+                    conn, _ = await sock.accept()
+                except OSError as e:
+                    if e.errno not in quota.RESOURCE_ERRNOS:
+                        raise
+                    log.warning("control socket: cannot accept a client: %s", e)
+                    spare = await _refuse_waiting(sock, spare, e.errno)
+                    continue
                 nursery.start_soon(_session_task, device, conn)
     finally:
+        if spare is not None:
+            os.close(spare)
         device.loop.unwatch(sock.fileno())
         sock.close()
         try:

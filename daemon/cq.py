@@ -45,8 +45,13 @@ class CompletionQueue:
         self.session = session
         self.entries = shm.round_entries(cqe)
         self.fd, self.mm = shm.new_segment(shm.page_round(shm.ring_bytes(self.entries, shm.CQE_SIZE)), "uv-cq")
+        try:
+            self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        except OSError:  # out of fds: give the ring back, the client gets the error
+            os.close(self.fd)
+            self.mm.close()
+            raise
         self.ring = shm.Ring(self.mm, 0, "struct uv_cqe", self.entries, init=True)
-        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.channel = channel
         self.overrun = False
         self.users = 0  # QPs that complete into this CQ

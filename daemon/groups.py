@@ -340,6 +340,11 @@ class GroupService:
             if d != g.me and d not in g.dead_daemons:
                 self._send_group(g, d, GroupMessage(GroupType.LEAVE, g.gid, m.rank, m.released, status))
         self._member_gone(g, m.rank, status, m.released)
+        # Its arrival at a barrier it was not released from may already be
+        # counted here: this daemon must not complete that barrier for it.
+        # Every later one fails everywhere (the LEAVE says after which).
+        g.barrier.fail(f"rank {m.rank} {'died' if status == LeaveStatus.DIED else 'left the group'}"
+                       f" after barrier {m.released}")
         self._flush(g)
 
     def session_closed(self, sess: Any) -> None:
@@ -374,7 +379,9 @@ class GroupService:
         if status == LeaveStatus.DIED:
             for m in list(g.local.values()):
                 w = m.wait
-                if w is not None and w.op == Op.LOCK_ACQUIRE:
+                # (a rank already told of this death, by the lock it passed
+                # on, is waiting again on purpose)
+                if w is not None and w.op == Op.LOCK_ACQUIRE and rank not in m.told:
                     g.lock.abandon(m.rank, w.key)
                     self._fail(m, rank, f"{why}: the data its locks protected may be half-updated")
 

@@ -26,6 +26,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any, Iterable
@@ -45,6 +46,10 @@ class _Control:
         self.path = path
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
+        problem = ctl.private_dir_problem(os.path.dirname(os.path.abspath(path)))
+        if problem is not None:
+            raise VerbsError(f"refusing the control socket {path}: {problem}; another user could serve it. "
+                             "Fix: chmod 700 the directory if it is yours, else remove it", errno.EACCES)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         s.settimeout(timeout_s)
         try:
@@ -53,6 +58,11 @@ class _Control:
             s.close()
             raise VerbsError(f"no udpverbs daemon at {path} ({e.strerror}); start one with udpverbsd",
                              errno.ENODEV) from None
+        try:
+            _check_daemon_uid(s, path)
+        except BaseException:
+            s.close()
+            raise
         self.sock: socket.socket | None = s
 
     def call(self, op: Op, fds: Iterable[int] = (), timeout_s: float | None = None, **fields: Any) -> tuple[Any, list[int]]:
@@ -64,7 +74,10 @@ class _Control:
             VerbsError: the daemon refused (its errno), or the connection broke.
             TimeoutError: no reply within the timeout.
         """
-        msg = ctl.encode_request(op, **fields)
+        try:
+            msg = ctl.encode_request(op, **fields)
+        except (struct.error, OverflowError) as e:  # a negative length or count, or one too large
+            raise UserError(f"{op.name}: an argument is out of range ({e})") from None
         with self._lock:
             s = self.sock
             if s is None:
@@ -102,6 +115,22 @@ class _Control:
             if self.sock is not None:
                 self.sock.close()
                 self.sock = None
+
+
+def _check_daemon_uid(s: socket.socket, path: str) -> None:
+    """Trust only a daemon of our own uid (or root), before anything is sent.
+
+    The uid is the boundary, as between a user's own processes: a region
+    registered with another user's "daemon" would hand it the memory.
+
+    Raises:
+        VerbsError: EACCES naming the uid that serves ``path``.
+    """
+    raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", raw)
+    if uid not in (os.getuid(), 0):
+        raise VerbsError(f"refusing the control socket {path}: it is served by uid {uid} (pid {pid}), "
+                         f"not by our uid {os.getuid()} or root", errno.EACCES)
 
 
 def _close_all(fds: Iterable[int]) -> None:
@@ -239,7 +268,9 @@ class Context(Resource):
         timeout_s: how long a control request may take.
 
     Raises:
-        VerbsError: ENODEV when no daemon serves the device.
+        VerbsError: ENODEV when no daemon serves the device; EACCES when the
+            socket's directory is not ours and 0700, or another uid (not
+            root) serves the socket.
     """
 
     def __init__(self, name: str | bytes | None = None, *, socket_path: str | None = None,

@@ -283,6 +283,12 @@ class QP(Resource):
             raise UserError("QPInitAttr needs a send CQ (scq/send_cq)")
         cap = init_attr.cap
         ctx = pd.ctx
+        srq = init_attr.srq
+        # Handles are per daemon: another context's CQ (on another device) would
+        # name some CQ of this one (issue 41), so the library checks the parent.
+        for what, obj in (("send CQ", scq), ("receive CQ", rcq), ("SRQ", srq)):
+            if obj is not None and getattr(obj, "ctx", None) is not ctx:
+                raise VerbsError(f"the {what} belongs to another context than the PD", errno.EINVAL)
         rep, fds = ctx.call(
             Op.CREATE_QP, pd_handle=pd.handle, send_cq=scq.handle, recv_cq=rcq.handle, qp_type=init_attr.qp_type,
             max_send_wr=cap.max_send_wr, max_recv_wr=cap.max_recv_wr, max_send_sge=cap.max_send_sge,

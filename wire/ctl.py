@@ -381,3 +381,28 @@ def runtime_dir() -> str:
 def socket_path(name: str) -> str:
     """The control socket of device ``name``: ``<runtime dir>/<name>.sock``."""
     return os.path.join(runtime_dir(), f"{name}.sock")
+
+
+def private_dir_problem(path: str) -> str | None:
+    """Why ``path`` is no safe home for a control socket, or None if it is.
+
+    The uid is the trust boundary: whoever can write in the directory can
+    replace the socket, so it must be the user's own and closed to everybody
+    else (mode 0700), and so must a symlink leading to it (``/tmp`` is
+    shared: another uid may have created ``/tmp/udpverbs-<uid>`` first).
+    A directory that does not exist is no problem here (nothing serves in it).
+    """
+    uid = os.getuid()
+    try:
+        link_st = os.lstat(path)
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    for what, s in (("it", st), ("the symlink to it", link_st)):
+        if s.st_uid != uid:
+            return f"{path} is not ours: {what} belongs to uid {s.st_uid}, we are uid {uid}"
+    if st.st_mode & 0o077:
+        return f"{path} is open to other users (mode {st.st_mode & 0o777:04o}, must be 0700)"
+    return None

@@ -155,3 +155,22 @@ def test_a_rank_that_asks_out_of_turn_gets_an_error() -> None:
     assert dev.stats["group_release_refused"] == 1
     assert dev.groups._request(rank.sess, ctl.encode_request(Op.ALLOC_PD)) is not None  # not a group request
     assert dev.groups._request(rank.sess, b"\x00\x28garbage") is not None
+
+
+def test_a_rank_told_of_a_death_by_the_lock_it_waited_for_may_wait_again() -> None:
+    """The news of rank 2's death reaches rank 0 twice: first with the lock
+    rank 2 died holding (OWNER_DIED, which fails rank 0's wait), then as
+    rank 2's LEAVE.  Rank 0, told once, asks again: the LEAVE must not fail
+    that second wait."""
+    dev, rank, gid = make()
+    assert rank.ask(Op.LOCK_ACQUIRE, lock_id=1, timeout_ms=0) is None  # managed by rank 1's daemon
+    rank2 = dev.get_link(PEERS[1])
+    dev.receiver.dispatch(rank2, envelope.encode(Kind.LOCK, 0, 0, lock.encode(
+        LockMessage(LockType.LOCK_REPLY, gid, 1, 0, 1, 2, status=lock.LockStatus.OWNER_DIED))))
+    (err,) = rank.replies()
+    status, (text, private) = ctl.decode_reply(err, Op.LOCK_ACQUIRE)
+    assert status == 103 and "rank 2 died holding lock 1" in text and private == (2).to_bytes(4, "big")
+    assert rank.ask(Op.LOCK_ACQUIRE, lock_id=1, timeout_ms=0) is None  # again
+    dev.receiver.dispatch(rank2, envelope.encode(Kind.GROUP, 0, 0, group.encode(
+        GroupMessage(GroupType.LEAVE, gid, 2, 0, 1))))
+    assert rank.replies() == []  # still waiting for the lock, not failed a second time

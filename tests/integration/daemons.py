@@ -16,13 +16,14 @@ class DaemonProc:
     """One ``python -m udpverbs.daemon`` on a loopback address, ephemeral UDP port."""
 
     def __init__(self, name: str, addr: str, runtime_dir: str, *, mtu: int | None = 1472, seed: int = 1,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), preexec_fn: Any = None) -> None:
         self.name = name
         self.addr = addr
         self.socket_path = os.path.join(runtime_dir, f"{name}.sock")
         self.mtu = mtu
         self.seed = seed
         self.extra = extra
+        self.preexec_fn = preexec_fn  # e.g. to lower the daemon's fd limit
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._final_log: str | None = None
@@ -35,7 +36,7 @@ class DaemonProc:
                 [sys.executable, "-m", "udpverbs.daemon", "--name", self.name, "--addr", self.addr,
                  "--port", "0", "--socket", self.socket_path, "--seed", str(self.seed),
                  "--ready-fd", str(w), *(("--mtu", str(self.mtu)) if self.mtu else ()), *self.extra],
-                pass_fds=(w,), stdout=self.log, stderr=self.log,
+                pass_fds=(w,), stdout=self.log, stderr=self.log, preexec_fn=self.preexec_fn,
             )
         finally:
             os.close(w)
