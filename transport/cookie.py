@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 A daemon that receives an INIT from an address it keeps no link for must not
-spend state on it: anyone can send INITs, from any address (issue 41: a
-flood of them filled the link table).  So it answers with one COOKIE packet
+spend state on it: anyone can send INITs, from any address (a flood of
+them would fill the link table).  So it answers with one COOKIE packet
 and forgets (SCTP's State Cookie, RFC 9260 §5.1.3; QUIC's Retry token,
 RFC 9000 §8.1.3).  The cookie is the daemon's clock in seconds and a keyed
 MAC (BLAKE2b with a per-daemon secret) over that stamp, the peer's address
