@@ -64,6 +64,7 @@ from typing import Any, Iterable
 import trio
 
 from ..transport.link import Link, LinkFailed, LinkUp
+from ..transport.cookie import CookieJar
 from ..transport.sockbuf import datagrams_that_fit
 from ..wire import ctl, envelope
 from ..wire import link as wire_link
@@ -117,6 +118,8 @@ class Device:
         # source, or, when the daemon is seeded (twin tests), from the seed
         stag_rng = secrets.SystemRandom() if config.seed is None else random.Random(f"stags {config.seed}")
         self.stags = tables.STagTable(rng=stag_rng)
+        # the key of the INIT cookies: the system's, or (seeded) the seed's
+        self.cookies = CookieJar(stag_rng.getrandbits(256).to_bytes(32, "big"))
         self.pds = tables.Handles(config.max_pd)
         self.mrs = tables.Handles(config.max_mr)
         self.cqs = tables.Handles(config.max_cq)
@@ -268,14 +271,30 @@ class Device:
             qp.link = None
 
     def _passive_link(self, addr: tuple[str, int], data: bytes) -> PeerLink | None:
-        """A link for a datagram from an unknown ``addr``, if it is an INIT:
-        garbage from anywhere must not cost state."""
+        """A link for a datagram from an unknown ``addr``, if it is an INIT
+        that echoes our cookie (``transport/cookie.py``); an INIT without one
+        is answered with a COOKIE (rate-limited per source IP) and nothing
+        kept: garbage, or INITs, from anywhere must not cost state."""
         try:
-            h, _ = wire_link.decode_untrusted(data)
+            h, body = wire_link.decode_untrusted(data)
+            init = wire_link.decode_init_untrusted(body) if h.ptype == wire_link.PacketType.INIT else None
         except WireError:
             self.stats["rx_garbage"] += 1
             return None
-        if h.ptype != wire_link.PacketType.INIT or len(self.links) >= MAX_LINKS:
+        if init is None or h.conn_tag != 0 or init.tag == 0:
+            self.stats["rx_unknown_peer"] += 1
+            return None
+        now = self.clock()
+        if not self.cookies.valid(addr, init, now):
+            if not self.cookies.may_answer(addr[0], now):
+                self.stats["init_cookie_limited"] += 1
+                return None
+            self.stats["init_cookie_sent"] += 1
+            self.udp.sendto(wire_link.encode_fields(
+                wire_link.PacketType.COOKIE, 0, h.path_id, init.tag, 0, 0, int(now * 1e6) & 0xFFFFFFFF, h.ts_us,
+                0, self.cookies.make(addr, init, now)), addr)
+            return None
+        if len(self.links) >= MAX_LINKS:
             self.stats["rx_unknown_peer"] += 1
             return None
         log.info("link from %s:%d", *addr)

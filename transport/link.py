@@ -20,12 +20,20 @@ knows ours (a packet with ``conn_tag == our tag``: the INIT_ACK for the
 active side, the first ACK/DATA for the passive side).  Simultaneous opens
 converge: an INIT received while INIT_SENT is answered with INIT_ACK and both
 sides finish on the other's INIT_ACK.  INIT/INIT_ACK retransmit with
-exponential back-off and fail after ``max_init_retransmits``.  An INIT with a
-different *incarnation* from an established peer means the peer restarted:
-``LinkFailed("peer_restarted")``; the same incarnation with a new tag means
-the peer dropped its end of the link: ``LinkFailed("peer_reset")``.  (INIT
-is unauthenticated, as SCTP's: a spoofer who knows the addresses can reset
-a link, but cannot inject data without the 32-bit tag.)
+exponential back-off and fail after ``max_init_retransmits``.  A passive
+daemon that keeps no link for the initiator answers its INIT with a COOKIE
+instead (``cookie.py``, the daemon's part); the initiator sends its INIT
+again at once, carrying the cookie.
+
+An INIT with a different *incarnation* from an established peer claims the
+peer restarted; the same incarnation with a new tag, that the peer dropped
+its end of the link.  INIT is unauthenticated, so a claim is believed only
+once proven (RFC 9260 §5.2.4 checks a restart too): we probe the old
+association (KEEPALIVE with the old tag, ACK_NOW), and if nothing of it is
+heard within ``restart_probes`` RTOs the link fails
+(``LinkFailed("peer_restarted")`` / ``("peer_reset")``) and the owner builds a
+new one for the next INIT.  A live old peer answers, and a blind spoofed
+INIT changes nothing.
 
 Parts: this module is the connection's core (handshake, states, input
 dispatch, ACK processing, timers, events, send queueing).  The receive side
@@ -88,6 +96,7 @@ _INIT = wl.PacketType.INIT
 _INIT_ACK = wl.PacketType.INIT_ACK
 _KEEPALIVE = wl.PacketType.KEEPALIVE
 _ABORT = wl.PacketType.ABORT
+_COOKIE = wl.PacketType.COOKIE
 _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _ESTABLISHED = LinkState.ESTABLISHED
 _encode_fields = wl.encode_fields
@@ -150,6 +159,9 @@ class Link(Builder):
         self._hs_tries = 0
         self._last_heard = 0.0
         self._last_keepalive = -INF
+        self._cookie = b""  # the passive side's cookie, echoed in our INIT
+        # a restart claimed by an INIT, not yet proven: (reason, deadline, next probe)
+        self._claim: tuple[str, float, float] | None = None
 
     # --- public properties --------------------------------------------------
 
@@ -228,10 +240,10 @@ class Link(Builder):
         self.state = LinkState.FAILED
         self._events.append(LinkFailed(reason))
 
-    def _init_body(self) -> bytes:
+    def _init_body(self, cookie: bytes = b"") -> bytes:
         c = self.config
         return wl.encode_init(wl.LinkInit(self.tag, self.isn, c.max_payload,
-                                          min(c.rwnd_packets, 0xFFFF), self.incarnation))
+                                          min(c.rwnd_packets, 0xFFFF), self.incarnation, cookie))
 
     def _handshake_packet(self, ptype: int, now: float) -> bytes:
         # INIT goes to an unknown tag (0) and echoes nothing; INIT_ACK
@@ -239,7 +251,7 @@ class Link(Builder):
         init = ptype == _INIT
         return _encode_fields(ptype, 0, self.path_id, 0 if init else self.peer_tag, self.isn, 0,
                               int(now * 1e6) & _U32, 0 if init else self._echo(now),
-                              min(self.config.rwnd_packets, 0xFFFF), self._init_body())
+                              min(self.config.rwnd_packets, 0xFFFF), self._init_body(self._cookie if init else b""))
 
     def _send_handshake(self, now: float) -> None:
         # INIT while we do not know the peer; INIT_ACK (which also carries our
@@ -248,18 +260,19 @@ class Link(Builder):
         self._out.append(self._handshake_packet(ptype, now))
         self._hs_deadline = now + self.config.initial_rto_s * (1 << self._hs_tries)
 
-    def _learn_peer(self, init: wl.LinkInit, is_init: bool) -> bool:
+    def _learn_peer(self, init: wl.LinkInit, is_init: bool, now: float) -> bool:
         """Record the peer's INIT body; False if it contradicts what we know."""
         if self.peer_incarnation is not None:
             if init.incarnation != self.peer_incarnation:
-                self._fail("peer_restarted")
+                self._claim_restart("peer_restarted", now)
                 return False
             if init.tag != self.peer_tag or init.isn != self.peer_isn:
                 if is_init:
                     # Same daemon run, new tag: the peer dropped its end of
-                    # the link (it failed there) and opens afresh.  Our state
-                    # is stale; the owner builds a new Link for the INIT.
-                    self._fail("peer_reset")
+                    # the link (it failed there) and opens afresh, or so
+                    # the INIT says.  If so our state is stale; the owner
+                    # builds a new Link for the next INIT.
+                    self._claim_restart("peer_reset", now)
                 else:
                     self.stats.bad_init += 1
                 return False
@@ -273,6 +286,24 @@ class Link(Builder):
         self.peer_max_payload = min(init.max_payload, self.config.max_payload)
         self.peer_rwnd = init.rwnd
         return True
+
+    def _claim_restart(self, reason: str, now: float) -> None:
+        # An unproven claim (see the module docstring): only an established
+        # link has an old association to ask; before, fail as the claim says.
+        self.stats.bad_init += 1
+        if self.state != _ESTABLISHED:
+            self._fail(reason)
+        elif self._claim is None:
+            rto = self.rtt.rto_s
+            self._claim = (reason, now + self.config.restart_probes * rto, now)
+            self._probe_restart(now)
+
+    def _probe_restart(self, now: float) -> None:
+        assert self._claim is not None
+        reason, deadline, _ = self._claim
+        self._claim = (reason, deadline, now + self.rtt.rto_s)
+        self._out.append(self._control(_KEEPALIVE, _ACK_NOW, now))
+        self.stats.keepalives_sent += 1
 
     def _establish(self, now: float) -> None:
         self.state = LinkState.ESTABLISHED
@@ -315,6 +346,11 @@ class Link(Builder):
         if h.conn_tag != self.tag:
             stats.bad_tag += 1
             return
+        if ptype == _COOKIE:
+            self._cookie_received(body, now)
+            return
+        if self._claim is not None:
+            self._claim = None  # the old association answered: no restart
         if state != LinkState.ESTABLISHED:
             if state == LinkState.INIT_RECEIVED:
                 self._establish(now)  # the peer used our tag: it knows us
@@ -370,6 +406,19 @@ class Link(Builder):
             self.peer_rwnd = last_rwnd
         self.receiver.run_received(count, flags_any, now)
 
+    def _cookie_received(self, body: memoryview, now: float) -> None:
+        # The passive daemon keeps nothing until our INIT echoes its cookie:
+        # send it again at once, with the cookie (the timer goes on as it was).
+        if self.state != LinkState.INIT_SENT:
+            self.stats.unexpected += 1
+            return
+        try:
+            self._cookie = wl.decode_cookie_untrusted(body)
+        except WireError:
+            self.stats.malformed += 1
+            return
+        self._out.append(self._handshake_packet(_INIT, now))
+
     def _handshake_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:
         stats = self.stats
         state = self.state
@@ -385,7 +434,7 @@ class Link(Builder):
             if h.conn_tag != 0:
                 stats.bad_tag += 1
                 return
-            if not self._learn_peer(init, True):
+            if not self._learn_peer(init, True, now):
                 return
             self._heard(h.ts_us, now)
             if state == LinkState.ESTABLISHED:
@@ -404,7 +453,7 @@ class Link(Builder):
         if state == LinkState.IDLE:
             stats.unexpected += 1
             return
-        if not self._learn_peer(init, False):
+        if not self._learn_peer(init, False, now):
             return
         self._heard(h.ts_us, now)
         if state != LinkState.ESTABLISHED:
@@ -619,6 +668,8 @@ class Link(Builder):
             d = self._pace_deadline
             if d is not None and d < t:
                 t = d
+            if self._claim is not None and self._claim[2] < t:
+                t = self._claim[2]
             return t
         if state in (LinkState.INIT_SENT, LinkState.INIT_RECEIVED):
             return self._hs_deadline
@@ -641,6 +692,12 @@ class Link(Builder):
         if now >= self._last_heard + c.dead_peer_s:
             self._fail("dead_peer")
             return
+        claim = self._claim
+        if claim is not None and now >= claim[2]:
+            if now >= claim[1]:
+                self._fail(claim[0])  # nothing of the old association answered: the claim holds
+                return
+            self._probe_restart(now)
         if now >= max(self._last_heard, self._last_keepalive) + c.keepalive_idle_s:
             self._last_keepalive = now
             self._out.append(self._control(_KEEPALIVE, _ACK_NOW, now))

@@ -39,9 +39,10 @@ class LinkUp:
 @dataclass(frozen=True)
 class LinkFailed:
     """The link is dead for good: ``handshake_timeout``, ``retransmit_budget``,
-    ``dead_peer``, ``peer_restarted`` (INIT with a new incarnation),
-    ``peer_reset`` (INIT with the same incarnation but a new tag: the peer
-    dropped the link) or ``abort_received``."""
+    ``dead_peer``, ``peer_restarted`` (INIT with a new incarnation, and the
+    old association silent), ``peer_reset`` (INIT with the same incarnation
+    but a new tag: the peer dropped the link; proven the same way) or
+    ``abort_received``."""
 
     reason: str
 
@@ -74,6 +75,8 @@ class LinkConfig:
     max_retransmits: int = 10
     #: INIT / INIT_ACK retransmissions before LinkFailed("handshake_timeout")
     max_init_retransmits: int = 8
+    #: RTOs a restart claimed by an INIT waits for the old association to answer a probe
+    restart_probes: int = 3
     keepalive_idle_s: float = 1.0
     dead_peer_s: float = 5.0
     #: packets sent after a loss before it is declared lost (RFC 9002 §6.1.1)

@@ -48,6 +48,11 @@ class PacketType(enum.IntEnum):
     INIT_ACK = 4  #: link setup answer; body is a LinkInit
     KEEPALIVE = 5  #: liveness probe; the peer answers with an ACK
     ABORT = 6  #: the sender tears the link down (restart, shutdown, retry budget)
+    #: the answer to an INIT from a peer we keep no link for: conn_tag is the
+    #: INIT's tag, the body a cookie the initiator sends again in its INIT
+    #: (SCTP's State Cookie, RFC 9260 §5.1.3; QUIC's Retry, RFC 9000 §8.1);
+    #: the answering daemon keeps nothing until it does
+    COOKIE = 7
 
 
 class LinkFlags(enum.IntFlag):
@@ -83,7 +88,14 @@ LINK_INIT = c.Struct(
     "max_payload" / c.Int16ub,  # largest link body the sender accepts
     "rwnd" / c.Int16ub,  # initial receive window, packets
     "incarnation" / c.Int64ub,  # changes when a daemon restarts
+    # empty, or (INIT only) the COOKIE_LEN bytes of the COOKIE that answered the last INIT
+    "cookie" / c.GreedyBytes,
 )
+
+#: Body of COOKIE: the passive daemon's clock (seconds) and a keyed MAC
+#: (``transport/cookie.py``); opaque to the initiator, which echoes it.
+COOKIE_LEN = 16
+LINK_COOKIE = c.Struct("stamp_s" / c.Int32ub, "mac" / c.Bytes(COOKIE_LEN - 4))
 
 # --- fast path ---------------------------------------------------------------
 
@@ -123,6 +135,7 @@ class LinkInit(NamedTuple):
     max_payload: int
     rwnd: int
     incarnation: int
+    cookie: bytes = b""  #: empty, or COOKIE_LEN bytes echoed from a COOKIE
 
 
 def encode(h: LinkHeader, body: bytes | bytearray | memoryview = b"") -> bytes:
@@ -195,11 +208,22 @@ def decode_untrusted(datagram: bytes | bytearray | memoryview) -> tuple[LinkHead
 
 
 def encode_init(init: LinkInit) -> bytes:
-    return _INIT.pack(*init)
+    """The body of INIT / INIT_ACK.  Raises ValueError: a cookie of the wrong length."""
+    if len(init.cookie) not in (0, COOKIE_LEN):
+        raise ValueError(f"a cookie is {COOKIE_LEN} bytes, not {len(init.cookie)}")
+    return _INIT.pack(*init[:5]) + init.cookie
 
 
 def decode_init_untrusted(body: bytes | bytearray | memoryview) -> LinkInit:
     """Parse the body of INIT / INIT_ACK.  Raises WireError only."""
-    if len(body) != _INIT.size:
-        raise WireError("bad_length", f"link init body of {len(body)} bytes")
-    return LinkInit(*_INIT.unpack_from(body))
+    n = len(body)
+    if n != _INIT.size and n != _INIT.size + COOKIE_LEN:
+        raise WireError("bad_length", f"link init body of {n} bytes")
+    return LinkInit(*_INIT.unpack_from(body), bytes(body[_INIT.size:]))
+
+
+def decode_cookie_untrusted(body: bytes | bytearray | memoryview) -> bytes:
+    """The cookie a COOKIE packet carries.  Raises WireError only."""
+    if len(body) != COOKIE_LEN:
+        raise WireError("bad_length", f"cookie of {len(body)} bytes")
+    return bytes(body)

@@ -187,6 +187,47 @@ def test_simultaneous_open_converges() -> None:
     assert a.drain_received() == [b"pong"] and b.drain_received() == [b"ping"]
 
 
+def _unanswered_claim(a: Link, t: float) -> float:
+    """Run ``a``'s timers with nobody answering its restart probes; the time it failed."""
+    (probe,) = a.datagrams_to_send(t)  # the old association is asked first
+    assert wl.decode_untrusted(probe)[0][:4] == (wl.PacketType.KEEPALIVE, wl.LinkFlags.ACK_NOW, 0, a.peer_tag)
+    assert events(a) == [] and a.state == LinkState.ESTABLISHED
+    for _ in range(10):
+        t = a.next_deadline()
+        a.timer_fired(t)
+        a.datagrams_to_send(t)
+        if a.state != LinkState.ESTABLISHED:
+            break
+    assert t <= 1.0  # within a few RTOs, well before dead_peer_s
+    return t
+
+
+@pytest.mark.parametrize("incarnation", [3, 1], ids=["restart", "reset"])
+def test_init_claiming_a_restart_is_dismissed_when_the_old_peer_answers(incarnation: int) -> None:
+    # issue 41: a blind INIT from the peer's address (new tag, any
+    # incarnation) tore the link down; now it changes nothing
+    c = cfg()
+    a, b = make_pair(c)
+    t = establish(a, b)
+    forger = Link(c, rng=random.Random(99), incarnation=incarnation)
+    forger.connect(t)
+    feed(a, forger.datagrams_to_send(t), t + D)
+    feed(b, a.datagrams_to_send(t + D), t + 2 * D)  # the probe reaches the live peer
+    feed(a, b.datagrams_to_send(t + 2 * D), t + 3 * D)  # which answers
+    for _ in range(20):
+        now = a.next_deadline()
+        if now > t + 3.0:
+            break
+        a.timer_fired(now)
+        feed(b, a.datagrams_to_send(now), now + D)
+        b.timer_fired(now + D)
+        feed(a, b.datagrams_to_send(now + D), now + 2 * D)
+    assert a.state == LinkState.ESTABLISHED and events(a) == []
+    a.send(b"still here", t + 3.0)
+    feed(b, a.datagrams_to_send(t + 3.0), t + 3.0 + D)
+    assert b.drain_received() == [b"still here"]
+
+
 def test_peer_restart_is_detected_and_a_fresh_link_accepts_the_new_peer() -> None:
     c = cfg()
     a, b = make_pair(c)
@@ -195,6 +236,7 @@ def test_peer_restart_is_detected_and_a_fresh_link_accepts_the_new_peer() -> Non
     b2.connect(t)
     init = b2.datagrams_to_send(t)
     feed(a, init, t + D)
+    t = _unanswered_claim(a, t + D)
     assert events(a) == [LinkFailed("peer_restarted")]
     assert a.state == LinkState.FAILED
     a2 = Link(c, rng=random.Random(5), incarnation=1)  # what the daemon does next
@@ -575,6 +617,7 @@ def test_peer_that_dropped_its_link_resets_ours() -> None:
     b2 = Link(c, rng=random.Random(77), incarnation=2)  # same daemon run, new link
     b2.connect(t)
     feed(a, b2.datagrams_to_send(t), t + D)
+    _unanswered_claim(a, t + D)
     assert events(a) == [LinkFailed("peer_reset")]
     # A retransmitted copy of a's own peer's INIT (same tag) is not a reset.
     a3, b3 = make_pair(c, seed=11)

@@ -117,7 +117,7 @@ def test_fast_decoder_agrees_with_construct(data: bytes) -> None:
 
 @pytest.mark.parametrize(
     ("index", "value", "reason"),
-    [(0, 2, "bad_version"), (1, 0, "bad_ptype"), (1, 7, "bad_ptype"), (27, 1, "bad_reserved"), (26, 5, "bad_sack"),
+    [(0, 2, "bad_version"), (1, 0, "bad_ptype"), (1, 8, "bad_ptype"), (27, 1, "bad_reserved"), (26, 5, "bad_sack"),
      (26, 1, "bad_sack")],
 )
 def test_malformed_reason(index: int, value: int, reason: str) -> None:
@@ -151,11 +151,21 @@ def test_every_single_bit_flip_fails_the_crc() -> None:
 def test_arbitrary_bytes_raise_only_wire_error(data: bytes) -> None:
     outcome(link.decode_untrusted, data)
     outcome(link.decode_init_untrusted, data)
+    outcome(link.decode_cookie_untrusted, data)
     outcome(link.decode_untrusted, _fix_crc(data))
 
 
 @SETTINGS
-@given(st.builds(LinkInit, u32, u32, u16, u16, u64))
+@given(st.binary(min_size=link.COOKIE_LEN, max_size=link.COOKIE_LEN))
+def test_cookie_round_trip(cookie: bytes) -> None:
+    assert link.decode_cookie_untrusted(cookie) == cookie
+    parsed = link.LINK_COOKIE.parse(cookie)
+    assert link.LINK_COOKIE.build(dict(stamp_s=parsed.stamp_s, mac=parsed.mac)) == cookie
+
+
+@SETTINGS
+@given(st.builds(LinkInit, u32, u32, u16, u16, u64,
+                 st.just(b"") | st.binary(min_size=link.COOKIE_LEN, max_size=link.COOKIE_LEN)))
 def test_init_round_trip(init: LinkInit) -> None:
     wire = link.encode_init(init)
     assert link.decode_init_untrusted(wire) == init
