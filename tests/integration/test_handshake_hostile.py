@@ -1,4 +1,4 @@
-"""Issue 41, items 3 and 4: a blind spoofed INIT changes nothing; an INIT flood costs no state.
+"""A blind spoofed INIT changes nothing; an INIT flood costs no state.
 
 The forged datagrams leave a raw socket (``IP_HDRINCL``, so the source
 address and port are whatever we write; root on loopback), and a raw UDP

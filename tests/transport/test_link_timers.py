@@ -204,8 +204,8 @@ def _unanswered_claim(a: Link, t: float) -> float:
 
 @pytest.mark.parametrize("incarnation", [3, 1], ids=["restart", "reset"])
 def test_init_claiming_a_restart_is_dismissed_when_the_old_peer_answers(incarnation: int) -> None:
-    # issue 41: a blind INIT from the peer's address (new tag, any
-    # incarnation) tore the link down; now it changes nothing
+    # A blind INIT from the peer's address (new tag, any incarnation)
+    # must not tear the link down
     c = cfg()
     a, b = make_pair(c)
     t = establish(a, b)
