@@ -28,7 +28,7 @@ from typing import Any
 from ..wire import shm
 from ..wire.ctl import Op
 from .device import Context, Resource, _close_all, _drain_eventfd
-from .errors import VerbsError
+from .errors import UserError, VerbsError
 
 #: Default busy-poll before sleeping.  0: on a host with few cores the daemons
 #: need the CPU an application spins on (measured here, 2 vCPUs: an 8-byte
@@ -169,7 +169,14 @@ class CQ(Resource):
 
     # -- data path (no syscalls) --------------------------------------------------
     def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
-        """Take up to ``num_entries`` completions.  Returns ``(npolled, [WC])``."""
+        """Take up to ``num_entries`` completions.  Returns ``(npolled, [WC])``.
+
+        Raises:
+            UserError: ``num_entries`` is negative (taking -1 would move the
+                ring's consumer back and deliver old completions again).
+        """
+        if num_entries < 0:
+            raise UserError(f"poll(num_entries={num_entries}): a count is not negative")
         ring = self._ring
         n = min(ring.available(), num_entries)
         out = []

@@ -29,3 +29,12 @@ def test_a_qp_with_a_cq_of_another_context_is_refused() -> None:
             with pytest.raises(verbs.UserError, match="out of range"):
                 verbs.QP(pd, verbs.QPInitAttr(qp_type=IBV_QPT_RC, scq=own, rcq=own, cap=verbs.QPCap(-1, 4, 1, 1)))
             verbs.QP(pd, verbs.QPInitAttr(qp_type=IBV_QPT_RC, scq=own, rcq=own))  # the right parents still work
+
+
+def test_polling_a_negative_count_is_refused_and_the_ring_stays_as_it_was() -> None:
+    with tempfile.TemporaryDirectory(prefix="udpverbs-m-") as d, DaemonProc("uvM3", "127.0.0.13", d) as dp:
+        with verbs.Context(socket_path=dp.socket_path) as ctx:
+            cq = verbs.CQ(ctx, 8)
+            with pytest.raises(verbs.UserError, match="not negative"):
+                cq.poll(-1)  # used to move the ring's consumer back: an old (here empty) slot came again
+            assert cq.poll(8) == (0, [])
