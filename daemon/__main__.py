@@ -27,7 +27,7 @@ from . import config as dconfig
 from . import heap, quota
 from .cm import ConnectionManager
 from .groups import GroupService
-from .control import check_socket_free, serve_control
+from .server import check_socket_free, serve_control
 from .device import Device, DeviceConfig
 
 log = logging.getLogger("udpverbs.daemon")

@@ -72,7 +72,7 @@ DAEMON_ORDER = [
     "completer", "responder", "requester", "qp",
     "scheduler", "rxlane", "receive", "loop", "device",
     "qlock", "gbarrier", "groups",
-    "control", "cm", "__main__",
+    "control", "server", "cm", "__main__",
 ]
 
 
