@@ -97,8 +97,8 @@ def test_daemon_modules_import_only_modules_before_them(module: str) -> None:
 #: transport's modules, lowest first: a module may import only those before it
 #: (``congestion`` is a package and one entry; the layer's ``__init__`` is its
 #: facade and may import any of them).  A new module takes its place here.
-TRANSPORT_ORDER = ["sockbuf", "cookie", "ackhold", "pacer", "recovery", "congestion", "records", "receiver", "builder", "link",
-                   "netsim"]
+TRANSPORT_ORDER = ["sockbuf", "cookie", "ackhold", "pacer", "recovery", "congestion", "records", "receiver",
+                   "builder", "handshake", "link", "netsim"]
 
 
 def _transport_module(path: Path) -> str:

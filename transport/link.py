@@ -79,6 +79,7 @@ from typing import Any
 from ..wire import link as wl
 from ..wire.errors import WireError
 from .builder import Builder, Burst, admit, one_per_datagram, run_slots
+from .handshake import Handshake
 from .congestion.base import INF, CongestionController, create
 from .pacer import Pacer
 from .receiver import Receiver
@@ -103,7 +104,7 @@ _encode_fields = wl.encode_fields
 _decode = wl.decode_untrusted
 
 
-class Link(Builder):
+class Link(Handshake, Builder):
     """One reliable link to one peer daemon (see the module docstring).
 
     The send queue and the datagrams it becomes are :class:`Builder`'s
@@ -240,77 +241,6 @@ class Link(Builder):
         self.state = LinkState.FAILED
         self._events.append(LinkFailed(reason))
 
-    def _init_body(self, cookie: bytes = b"") -> bytes:
-        c = self.config
-        return wl.encode_init(wl.LinkInit(self.tag, self.isn, c.max_payload,
-                                          min(c.rwnd_packets, 0xFFFF), self.incarnation, cookie))
-
-    def _handshake_packet(self, ptype: int, now: float) -> bytes:
-        # INIT goes to an unknown tag (0) and echoes nothing; INIT_ACK
-        # answers an INIT, so it is addressed with the peer's tag and echoes.
-        init = ptype == _INIT
-        return _encode_fields(ptype, 0, self.path_id, 0 if init else self.peer_tag, self.isn, 0,
-                              int(now * 1e6) & _U32, 0 if init else self._echo(now),
-                              min(self.config.rwnd_packets, 0xFFFF), self._init_body(self._cookie if init else b""))
-
-    def _send_handshake(self, now: float) -> None:
-        # INIT while we do not know the peer; INIT_ACK (which also carries our
-        # tag and ISN) once we do.  Retransmitted with back-off by the timer.
-        ptype = _INIT if self.state == LinkState.INIT_SENT else _INIT_ACK
-        self._out.append(self._handshake_packet(ptype, now))
-        self._hs_deadline = now + self.config.initial_rto_s * (1 << self._hs_tries)
-
-    def _learn_peer(self, init: wl.LinkInit, is_init: bool, now: float) -> bool:
-        """Record the peer's INIT body; False if it contradicts what we know."""
-        if self.peer_incarnation is not None:
-            if init.incarnation != self.peer_incarnation:
-                self._claim_restart("peer_restarted", now)
-                return False
-            if init.tag != self.peer_tag or init.isn != self.peer_isn:
-                if is_init:
-                    # Same daemon run, new tag: the peer dropped its end of
-                    # the link (it failed there) and opens afresh, or so
-                    # the INIT says.  If so our state is stale; the owner
-                    # builds a new Link for the next INIT.
-                    self._claim_restart("peer_reset", now)
-                else:
-                    self.stats.bad_init += 1
-                return False
-            return True
-        if init.tag == 0:
-            self.stats.bad_init += 1
-            return False
-        self.peer_tag = init.tag
-        self.receiver.peer_isn = init.isn
-        self.peer_incarnation = init.incarnation
-        self.peer_max_payload = min(init.max_payload, self.config.max_payload)
-        self.peer_rwnd = init.rwnd
-        return True
-
-    def _claim_restart(self, reason: str, now: float) -> None:
-        # An unproven claim (see the module docstring): only an established
-        # link has an old association to ask; before, fail as the claim says.
-        self.stats.bad_init += 1
-        if self.state != _ESTABLISHED:
-            self._fail(reason)
-        elif self._claim is None:
-            rto = self.rtt.rto_s
-            self._claim = (reason, now + self.config.restart_probes * rto, now)
-            self._probe_restart(now)
-
-    def _probe_restart(self, now: float) -> None:
-        assert self._claim is not None
-        reason, deadline, _ = self._claim
-        self._claim = (reason, deadline, now + self.rtt.rto_s)
-        self._out.append(self._control(_KEEPALIVE, _ACK_NOW, now))
-        self.stats.keepalives_sent += 1
-
-    def _establish(self, now: float) -> None:
-        self.state = LinkState.ESTABLISHED
-        self._hs_deadline = None
-        self._hs_tries = 0
-        self._events.append(LinkUp(self.peer_incarnation or 0))
-
     # --- input --------------------------------------------------------------
 
     def datagram_received(self, data: bytes | bytearray | memoryview, now: float,
@@ -405,68 +335,6 @@ class Link(Builder):
             # later packets repeat the ACK field: the fast case of _process_ack
             self.peer_rwnd = last_rwnd
         self.receiver.run_received(count, flags_any, now)
-
-    def _cookie_received(self, body: memoryview, now: float) -> None:
-        # The passive daemon keeps nothing until our INIT echoes its cookie:
-        # send it again at once, with the cookie (the timer goes on as it was).
-        if self.state != LinkState.INIT_SENT:
-            self.stats.unexpected += 1
-            return
-        try:
-            self._cookie = wl.decode_cookie_untrusted(body)
-        except WireError:
-            self.stats.malformed += 1
-            return
-        self._out.append(self._handshake_packet(_INIT, now))
-
-    def _handshake_received(self, h: wl.LinkHeader, body: memoryview, now: float) -> None:
-        stats = self.stats
-        state = self.state
-        if state >= LinkState.CLOSED:
-            stats.unexpected += 1
-            return
-        try:
-            init = wl.decode_init_untrusted(body)
-        except WireError:
-            stats.malformed += 1
-            return
-        if h.ptype == _INIT:
-            if h.conn_tag != 0:
-                stats.bad_tag += 1
-                return
-            if not self._learn_peer(init, True, now):
-                return
-            self._heard(h.ts_us, now)
-            if state == LinkState.ESTABLISHED:
-                # Our INIT_ACK was lost (or crossed): answer again, no timer.
-                self._out.append(self._handshake_packet(_INIT_ACK, now))
-                return
-            if state != LinkState.INIT_RECEIVED or self._hs_deadline is None:
-                self._hs_tries = 0
-            self.state = LinkState.INIT_RECEIVED
-            self._send_handshake(now)
-            return
-        # INIT_ACK: addressed with our tag, so the peer knows us.
-        if h.conn_tag != self.tag:
-            stats.bad_tag += 1
-            return
-        if state == LinkState.IDLE:
-            stats.unexpected += 1
-            return
-        if not self._learn_peer(init, False, now):
-            return
-        self._heard(h.ts_us, now)
-        if state != LinkState.ESTABLISHED:
-            # INIT_ACK always echoes the INIT it answers.  The handshake
-            # crossed the path before our data queued on it: the best
-            # base-RTT sample a delay-based controller will get.
-            s = self._rtt_sample(h.ts_echo_us, now)
-            if s is not None:
-                self.cc.on_packets_acked(0, s, now)
-            self._establish(now)
-        # An ACK proves to the peer that we know its tag (it may be waiting
-        # in INIT_RECEIVED).
-        self.receiver.ack_now = True
 
     def _heard(self, ts_us: int, now: float) -> None:
         # Liveness, and what the next echo will return (the echo rule).
