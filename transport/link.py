@@ -100,7 +100,6 @@ _ABORT = wl.PacketType.ABORT
 _COOKIE = wl.PacketType.COOKIE
 _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _ESTABLISHED = LinkState.ESTABLISHED
-_encode_fields = wl.encode_fields
 _decode = wl.decode_untrusted
 
 
