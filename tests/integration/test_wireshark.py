@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -27,6 +28,15 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
+
+from udpverbs.daemon.config import DEFAULT_PORT
+from udpverbs.wire import envelope, link
+from udpverbs.wire.barrier import BarrierType
+from udpverbs.wire.cm import CmType
+from udpverbs.wire.flow import FlowType
+from udpverbs.wire.group import GroupType
+from udpverbs.wire.lock import LockType
+from udpverbs.wire.rdmap import AtomicOp, Opcode
 
 from .conftest import Side, connect_manual
 from .daemons import DaemonProc
@@ -130,9 +140,7 @@ def _body(proto: ET.Element) -> dict[str, int]:
 IWARP = {"opcode": "iwarp_rdma.opcode", "last": "iwarp_ddp.last_flag", "stag": "iwarp_ddp.stag",
          "to": "iwarp_ddp.tagged_offset", "qn": "iwarp_ddp.qn", "msn": "iwarp_ddp.msn", "mo": "iwarp_ddp.mo",
          "inv_stag": "iwarp_rdma.inval_stag"}
-LUA_FIELDS = {"opcode": "udpverbs_rdmap.opcode", "last": "udpverbs_rdmap.last", "stag": "udpverbs_rdmap.stag",
-              "to": "udpverbs_rdmap.to", "qn": "udpverbs_rdmap.qn", "msn": "udpverbs_rdmap.msn", "mo": "udpverbs_rdmap.mo",
-              "inv_stag": "udpverbs_rdmap.inv_stag"}
+LUA_FIELDS = {key: "udpverbs_rdmap." + key for key in ("opcode", "last", "stag", "to", "qn", "msn", "mo", "inv_stag")}
 #: Wireshark's own names of the Read Request fields
 IWARP_READ_REQUEST = {"sinkstag": "sink_stag", "sinkto": "sink_to", "rdmardsz": "size", "srcstag": "src_stag",
                       "srcto": "src_to"}
@@ -247,3 +255,31 @@ def test_the_lua_dissector_decodes_a_live_capture_of_every_opcode() -> None:
         assert "iwarp_ddp_rdmap" not in alone.names
         _check(alone, tour)
         assert alone.segments == with_iwarp.segments
+
+
+def _lua_table(text: str, name: str) -> dict[int, str]:
+    body = re.search(r"^local " + name + r" = \{(.*?)\}", text, re.S | re.M)
+    assert body is not None, name
+    return {int(k): v for k, v in re.findall(r'\[(\d+)\] = "([^"]+)"', body.group(1))}
+
+
+def test_the_lua_dissector_has_the_constants_of_wire() -> None:
+    # Runs without tshark: the Lua file keeps its own copy of wire/'s
+    # numbers, and this says when one of them moves.
+    text = LUA.read_text()
+    consts = dict(re.findall(r"^local ([A-Z_]+) = (\d+)\b", text, re.M))
+    assert int(consts["DEFAULT_PORT"]) == DEFAULT_PORT
+    assert int(consts["LINK_VERSION"]) == link.LINK_VERSION and int(consts["HEADER_LEN"]) == link.HEADER_LEN
+    assert int(consts["MAX_SACK"]) == link.MAX_SACK_BLOCKS and int(consts["COOKIE_LEN"]) == link.COOKIE_LEN
+    assert int(consts["INIT_LEN"]) == len(link.encode_init(link.LinkInit(0, 0, 0, 0, 0)))
+    assert int(consts["ENVELOPE_LEN"]) == envelope.ENVELOPE_LEN
+    assert int(consts["FLOW_ACK_LEN"]) == envelope.FLOW_ACK_LEN
+    assert _lua_table(text, "PTYPES") == {int(t): t.name for t in link.PacketType}
+    assert _lua_table(text, "KINDS") == {int(k): k.name for k in envelope.Kind}
+    assert _lua_table(text, "FLOW_TYPES") == {int(t): t.name for t in FlowType}
+    assert _lua_table(text, "LOCK_TYPES") == {int(t): t.name for t in LockType}
+    assert _lua_table(text, "BARRIER_TYPES") == {int(t): t.name for t in BarrierType}
+    assert _lua_table(text, "GROUP_TYPES") == {int(t): t.name for t in GroupType}
+    assert _lua_table(text, "CM_TYPES") == {int(t): t.name for t in CmType}
+    assert _lua_table(text, "ATOMIC_OPS").keys() == {int(op) for op in AtomicOp}
+    assert _lua_table(text, "OPCODES").keys() == {int(op) for op in Opcode}
