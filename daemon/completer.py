@@ -199,7 +199,7 @@ class Completer:
             self.read_placed()
 
     def on_atomic_response(self, msn: int, payload: memoryview, raw: memoryview) -> None:
-        """The Atomic Response (message ``msn`` of queue 4) to the atomic at
+        """The Atomic Response (message ``msn`` of queue 3) to the atomic at
         the ORRQ head: the Python path's segment or one the compiled lane
         took whole (``raw`` from the DDP header, as for ``on_segment``)."""
         # Where the compiled lane expects the next one.  As for Read
@@ -265,8 +265,8 @@ class Completer:
                     if wr.sink_stag < 0 and wr.rkey == stag and wr.raddr <= to <= wr.raddr + wr.byte_len:
                         return wr
         elif len(h) == rdmap.ddp.UNTAGGED_HEADER_LEN:
-            qn, msn = rdmap.ddp.UNTAGGED.unpack(h)[3:5]
-            if qn == rdmap.QueueNumber.ATOMIC_REQUEST:
+            _, rctl, _, qn, msn = rdmap.ddp.UNTAGGED.unpack(h)[:5]
+            if rctl & 0x0F == Opcode.ATOMIC_REQUEST and qn == rdmap.QueueNumber.READ_REQUEST:
                 for wr in self.outstanding:
                     if wr.atomic_msn >= 0 and wr.atomic_msn & U32 == msn:
                         return wr

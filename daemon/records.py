@@ -37,7 +37,7 @@ class OutWR:
         # completes when the receiver accepts that message (Modified ACK), not
         # when the link acknowledges it, because the receiver may NACK it.
         self.q0_last = -1
-        self.atomic_msn = -1  # queue-3 MSN of an Atomic Request
+        self.atomic_msn = -1  # queue-1 MSN of an Atomic Request
 
 
 def lane_run(remaining: int, contiguous: int, max_data: int, room: int, space: int) -> tuple[int, int, bool]:

@@ -21,7 +21,8 @@ are queued, so a 1 GiB Write holds no more memory than the link's window).
 - A Read (§5.2) is one Read Request on untagged queue 1 naming a *sink STag*
   private to its ORRQ entry (the sink is the requester's SGE list, so
   several SGEs work).  An atomic (RFC 7306 §5) is one Atomic Request on
-  queue 3; it shares the ORRQ and the ORD budget with Reads.
+  the same queue 1, in the same MSN sequence as Read Requests; it shares
+  the ORRQ and the ORD budget with Reads.
 
 A message of one segment is built straight from the WQE and handed to the
 link before the WR's own bookkeeping (the peer waits on the datagram, not on
@@ -103,9 +104,8 @@ class Requester:
         self.orrq: deque[PendingRead | PendingAtomic] = deque()  # Reads and atomics awaiting their response
         # RFC 5041 §5.3: MSN starts at 1 on each untagged queue.  Kept
         # unwrapped here; the wire carries the low 32 bits.
-        self.read_msn = 1
+        self.read_msn = 1  # queue 1: Read Requests and Atomic Requests (RFC 7306)
         self.send_msn = 1
-        self.atomic_msn = 1
         self.next_req_id = 1
         self.next_sink = 1
         # Modified ACK/NACK: queue-0 messages not yet accepted by the peer,
@@ -427,16 +427,16 @@ class Requester:
                              compare_add: int, swap: int) -> None:
         # RFC 7306 §5.2: verbs' plain FetchAdd is a masked add with no field
         # boundaries (mask 0); CmpSwap compares and swaps all 64 bits.
-        buf = self.untagged_segment(OP_ATOMIC_REQUEST, self.atomic_msn, rdmap.ATOMIC_REQUEST_LEN)
+        buf = self.untagged_segment(OP_ATOMIC_REQUEST, self.read_msn, rdmap.ATOMIC_REQUEST_LEN)
         if aop == AtomicOp.FETCH_ADD:
             rdmap.pack_atomic_request_into(buf, _UNTAGGED_PREFIX, aop, self.next_req_id, rkey, raddr, compare_add,
                                            0, 0, 0)
         else:
             rdmap.pack_atomic_request_into(buf, _UNTAGGED_PREFIX, aop, self.next_req_id, rkey, raddr, swap, U64,
                                            compare_add, U64)
-        wr.atomic_msn = self.atomic_msn
+        wr.atomic_msn = self.read_msn
         self.send_or_queue(buf, request=True, taking=1)  # as a Read Request
-        self.atomic_msn += 1
+        self.read_msn += 1
         self.orrq.append(PendingAtomic(wr, gather, self.next_req_id))
         self.next_req_id = (self.next_req_id + 1) & U32
 

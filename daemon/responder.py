@@ -16,9 +16,10 @@ MSN order, each at its message offset; Immediate Data (RFC 7306 §4)
 completes a Send with Immediate's receive, or consumes one of its own after
 an RDMA Write with Immediate.  A Read Request (queue 1) is answered from the
 source region by the daemon alone, bounded by IRD; an Atomic Request (queue
-3) is applied to its 8-byte word at once and its response queued behind
-earlier Read Responses on the IRRQ; a repeated one is answered from the
-replay record, never applied twice.
+1 as well, in the same MSN sequence) is applied to its 8-byte word at once
+and its response (queue 3) queued behind earlier Read Responses on the
+IRRQ; a repeated one is answered from the replay record, never applied
+twice.
 
 Modified ACK/NACK (RHiNET/PM, ``wire/flow.py``), the receiver's side: a
 queue-0 message that finds no posted receive is NACKed with our
@@ -96,9 +97,10 @@ class Responder:
         # for the answer (up to the link's delayed-ACK time) instead of
         # leaving alone at once (transport/ackhold.py).
         self.flow_hold = AckHold()
-        self.rx_atomic_msn = 1
-        self.rx_read_msn = 1  # the MSN of the next Read Request (queue 1), as the compiled lane expects it
-        self.rx_atomic_resp_msn = 1  # and of the next Atomic Response (queue 4)
+        # the MSN of the next Read or Atomic Request (queue 1, one sequence
+        # for both: RFC 7306), as the compiled lane expects it
+        self.rx_read_msn = 1
+        self.rx_atomic_resp_msn = 1  # and of the next Atomic Response (queue 3)
         self.atomic_replay: OrderedDict[int, bytes] = OrderedDict()
         self.terminated = False
 
@@ -186,7 +188,7 @@ class Responder:
         except Exception:  # WireError only
             self.terminate(rdmap.RdmapErrorCode.UNSPECIFIED, raw, len(payload), **_REMOTE_OPERATION)
             return
-        if msn != self.rx_atomic_msn:
+        if msn != self.rx_read_msn:
             cached = self.atomic_replay.get(msn)
             if cached is None:
                 self.terminate(rdmap.DdpUntaggedErrorCode.INVALID_MSN_RANGE, raw, len(payload), **_UNTAGGED_ERROR)
@@ -213,7 +215,7 @@ class Responder:
         orig = int.from_bytes(word, HOST_ORDER)
         word[:] = apply_atomic(req, orig).to_bytes(8, HOST_ORDER)
         body = rdmap.encode_atomic_response(rdmap.AtomicResponse(req.req_id, orig))
-        self.rx_atomic_msn = (msn + 1) & U32
+        self.rx_read_msn = (msn + 1) & U32
         self.atomic_replay[msn] = body
         if len(self.atomic_replay) > ATOMIC_REPLAY:
             self.atomic_replay.popitem(last=False)
@@ -516,8 +518,7 @@ class Responder:
 
     def request_msn(self, op: int) -> int:
         """The MSN the next whole request (or Atomic Response) ``op`` must carry."""
-        return (self.rx_read_msn if op == Opcode.RDMA_READ_REQUEST else self.rx_atomic_msn
-                if op == Opcode.ATOMIC_REQUEST else self.rx_atomic_resp_msn)
+        return self.rx_atomic_resp_msn if op == Opcode.ATOMIC_RESPONSE else self.rx_read_msn
 
 
 def apply_atomic(req: rdmap.AtomicRequest, orig: int) -> int:

@@ -28,7 +28,7 @@ a Read's last response must fill its sink, and a Send's may carry a
 Modified ACK (``flow_ack``, ``flow_ack_msn``).  A Send with Invalidate's
 last segment (the STag is invalidated first) and Immediate Data stay in
 Python.  Read and atomic requests, and the Atomic Responses to ours
-(``whole``: one segment each, the last; ``qn`` 1, 3 or 4; ``last_fills``:
+(``whole``: one segment each, the last; ``qn`` 1 or 3; ``last_fills``:
 of the message's own size; ``many``: one after another, MSN by MSN) are
 checked (with no buffer, ``mem`` NULL, nothing is copied), and the daemon
 answers or completes them from the datagrams with the Python path's own

@@ -28,16 +28,22 @@ code   message                     tagged  QN
 0111b  Terminate                   no      2
 1000b  Immediate Data              no      0
 1001b  Immediate Data with SE      no      0
-1010b  Atomic Request              no      3
-1011b  Atomic Response             no      4
+1010b  Atomic Request              no      1
+1011b  Atomic Response             no      3
 =====  ==========================  ======  ==
 
+An Atomic Request travels on the Read Request queue: Read and Atomic
+Requests share one MSN sequence (and the ORD/IRD budget), so the responder
+answers them in the order they were sent.  Atomic Responses have queue 3 to
+themselves and, as on every DDP queue (RFC 5041 §5.3), their own MSN
+sequence from 1.
+
 Checked against secondary sources that follow the RFCs (Linux siw's
-``iwarp.h``, Wireshark's iWARP dissector): both control fields, opcodes
-0000b-0111b and 1010b/1011b, QNs 0-2, the Read Request, Terminate and Atomic
+``iwarp.h``, Wireshark's iWARP dissector, urdma): both control fields,
+opcodes 0000b-1011b, the Atomic Request on queue 1 and the Atomic Response
+on queue 3 (urdma), QNs 0-2, the Read Request, Terminate and Atomic
 layouts, FetchAdd = 0000b and CmpSwap = 0010b.  Taken from RFC 7306 alone,
-with no second source to check them against: Immediate Data
-opcodes 1000b/1001b on QN 0, Atomic Request on QN 3, Atomic Response on QN 4,
+with no second source to check them against: Immediate Data on QN 0,
 Swap = 0001b.
 
 Read Request, Terminate, Atomic Request/Response and Immediate Data carry an
@@ -99,10 +105,9 @@ class QueueNumber(enum.IntEnum):
     """DDP untagged queue used by each RDMAP message (RFC 5040 §5.1, RFC 7306)."""
 
     SEND = 0  #: Send variants and Immediate Data: consume a posted receive
-    READ_REQUEST = 1
+    READ_REQUEST = 1  #: Read Requests and Atomic Requests, one MSN sequence
     TERMINATE = 2
-    ATOMIC_REQUEST = 3
-    ATOMIC_RESPONSE = 4
+    ATOMIC_RESPONSE = 3
 
 
 TAGGED_OPCODES = frozenset({Opcode.RDMA_WRITE, Opcode.RDMA_READ_RESPONSE})
@@ -117,7 +122,7 @@ OPCODE_QN: dict[int, int] = {
     Opcode.TERMINATE: QueueNumber.TERMINATE,
     Opcode.IMMEDIATE_DATA: QueueNumber.SEND,
     Opcode.IMMEDIATE_DATA_SE: QueueNumber.SEND,
-    Opcode.ATOMIC_REQUEST: QueueNumber.ATOMIC_REQUEST,
+    Opcode.ATOMIC_REQUEST: QueueNumber.READ_REQUEST,
     Opcode.ATOMIC_RESPONSE: QueueNumber.ATOMIC_RESPONSE,
 }
 

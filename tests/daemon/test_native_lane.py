@@ -521,7 +521,7 @@ async def test_small_reads_complete_through_the_lane_in_the_pass_that_places_the
 @pytest.mark.parametrize("native", [True, False])
 async def test_atomic_responses_complete_through_the_lane(native: bool) -> None:
     # The requester takes an Atomic Response as the responder takes its
-    # request: the lane checks the packet and header (queue 4, the MSN after
+    # request: the lane checks the packet and header (queue 3, the MSN after
     # the last one, one whole 12-byte segment) and the QP matches it with
     # the ORRQ head as the Python path does.  The original values land
     # alike with the lane or without it.

@@ -352,8 +352,8 @@ def test_a_request_the_lane_does_not_take_stays_out(spoil: str) -> None:
 _RESPONSE = Opcode.ATOMIC_RESPONSE
 RESPONSE_SPOILERS: dict[str, Callable[[], bytes]] = {
     "other msn": lambda: _request(0, opcode=_RESPONSE, fill=1, msn=MSN + 1),
-    "the atomic request queue": lambda: _respoil(_request(0, opcode=_RESPONSE, fill=1),
-                                                 lambda b: b.__setitem__(slice(14, 18), b"\0\0\0\3")),
+    "the request queue": lambda: _respoil(_request(0, opcode=_RESPONSE, fill=1),
+                                          lambda b: b.__setitem__(slice(14, 18), b"\0\0\0\1")),
     "not the last": lambda: _request(0, opcode=_RESPONSE, fill=1, last=False),
     "a byte short": lambda: _request(0, opcode=_RESPONSE, fill=1, size=rdmap.ATOMIC_RESPONSE_LEN - 1),
     "a byte long": lambda: _request(0, opcode=_RESPONSE, fill=1, size=rdmap.ATOMIC_RESPONSE_LEN + 1),

@@ -63,11 +63,11 @@ KNOWN = [
      "4148" + "00000000" "00000000" "00000009" "00000000" "0001020304050607"),
     (UntaggedHeader(Opcode.IMMEDIATE_DATA_SE, True, 0, 0, 9, 0), bytes(8),
      "4149" + "00000000" "00000000" "00000009" "00000000" + "00" * 8),
-    # Atomic Request (1010b): QN 3, 52 bytes; Atomic Response (1011b): QN 4, 12 bytes
-    (UntaggedHeader(Opcode.ATOMIC_REQUEST, True, 0, 3, 1, 0), bytes(52),
-     "414a" + "00000000" "00000003" "00000001" "00000000" + "00" * 52),
-    (UntaggedHeader(Opcode.ATOMIC_RESPONSE, True, 0, 4, 1, 0), bytes(12),
-     "414b" + "00000000" "00000004" "00000001" "00000000" + "00" * 12),
+    # Atomic Request (1010b): QN 1 beside Read Requests, 52 bytes; Atomic Response (1011b): QN 3, 12 bytes
+    (UntaggedHeader(Opcode.ATOMIC_REQUEST, True, 0, 1, 1, 0), bytes(52),
+     "414a" + "00000000" "00000001" "00000001" "00000000" + "00" * 52),
+    (UntaggedHeader(Opcode.ATOMIC_RESPONSE, True, 0, 3, 1, 0), bytes(12),
+     "414b" + "00000000" "00000003" "00000001" "00000000" + "00" * 12),
 ]
 
 
@@ -251,8 +251,8 @@ def test_untagged_queue_number_follows_opcode(seg: tuple[UntaggedHeader, bytes])
     assert h.qn == {
         Opcode.RDMA_READ_REQUEST: 1,
         Opcode.TERMINATE: 2,
-        Opcode.ATOMIC_REQUEST: 3,
-        Opcode.ATOMIC_RESPONSE: 4,
+        Opcode.ATOMIC_REQUEST: 1,  # RFC 7306: beside Read Requests
+        Opcode.ATOMIC_RESPONSE: 3,
     }.get(h.opcode, 0)
 
 
