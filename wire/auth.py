@@ -100,6 +100,44 @@ class PairMac:
         nonce = NONCE.pack(salt, pn)
         return b"".join((body, nonce, self._aead.encrypt(nonce, b"", body)))
 
+    def seal_run(self, buffers: list[bytes | memoryview], size: int, salt: int, pn: int) -> tuple[bytes, int]:
+        """The datagrams of ``size`` bytes in ``buffers`` (the last may be
+        shorter), each followed by its trailer, numbered from ``pn``: one
+        buffer, and how many datagrams it holds."""
+        parts: list[bytes | memoryview] = []
+        encrypt = self._aead.encrypt
+        pack = NONCE.pack
+        for b in buffers:
+            view = memoryview(b)
+            for at in range(0, len(view), size):
+                body = view[at:at + size]
+                nonce = pack(salt, pn)
+                pn += 1
+                parts += (body, nonce, encrypt(nonce, b"", body))
+        return b"".join(parts), len(parts) // 3
+
+    def open_run_untrusted(self, data: bytes, seg: int) -> tuple[list[tuple[int, int, int]], int]:
+        """Check each datagram of ``seg`` bytes in ``data`` (the last may be
+        shorter): the valid ones as (start, end of the link packet, packet
+        number), and how many were not (as :meth:`open_untrusted` raises)."""
+        view = memoryview(data)
+        decrypt = self._aead.decrypt
+        unpack = NONCE.unpack_from
+        valid = []
+        n = len(data)
+        for at in range(0, n, seg):
+            end = min(at + seg, n)
+            body_end = end - TRAILER_LEN
+            if body_end <= at:
+                continue
+            tag_at = body_end + NONCE_LEN
+            try:
+                decrypt(view[body_end:tag_at], view[tag_at:end], view[at:body_end])
+            except InvalidTag:
+                continue
+            valid.append((at, body_end, unpack(data, body_end)[1]))
+        return valid, -(-n // seg) - len(valid)
+
     def open_untrusted(self, datagram: memoryview) -> tuple[memoryview, int]:
         """Check ``datagram``'s trailer; return the link packet before it
         and the packet number.
