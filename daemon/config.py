@@ -25,7 +25,9 @@ from ..transport.congestion.base import create as create_cc
 from ..transport.link import LinkConfig
 from ..wire import ctl
 from ..wire import link as wire_link
+from ..wire.auth import TRAILER_LEN
 from . import heap
+from .clusterkey import load_key
 from .quota import Quota
 
 DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
@@ -96,12 +98,16 @@ def parser() -> argparse.ArgumentParser:
                    help="freed heap memory the daemon keeps mapped for its next buffers instead of returning it to "
                    f"the kernel, which would make each reuse page-fault (default {heap.DEFAULT_KEEP_MB}; 0: the C "
                    "library's default)")
+    p.add_argument("--key-file", metavar="PATH",
+                   help="the cluster key (hex text, at least 32 bytes, mode 0600; make one with udpverbs keygen "
+                   "PATH): every datagram is then authenticated and replays are dropped; every daemon of the "
+                   "cluster needs the same key")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
 
 _KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native",
-         "rx_dispatch_budget", "heap_keep_mb")
+         "rx_dispatch_budget", "heap_keep_mb", "key_file")
 
 
 def parse_flags(argv: list[str] | None) -> argparse.Namespace:
@@ -136,7 +142,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
                            "cc": "efe-host", "gso": True, "native": True, "rx_dispatch_budget": 8,
-                           "heap_keep_mb": heap.DEFAULT_KEEP_MB}
+                           "heap_keep_mb": heap.DEFAULT_KEEP_MB, "key_file": None}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
@@ -188,6 +194,12 @@ def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> d
     SystemExit on bad flags unless ``exit_on_error`` is false.
     """
     cfg = load(argv, exit_on_error=exit_on_error)
+    cfg["key"] = None
+    if cfg["key_file"] is not None:
+        if cfg["addr"] in ("0.0.0.0", ""):
+            # Each datagram's tag binds the address it was sent to (wire/auth.py).
+            raise ValueError("a cluster key needs --addr to be the address peers send to, not a wildcard")
+        cfg["key"] = load_key(str(cfg["key_file"]))
     if not isinstance(logging.getLevelName(str(cfg["log_level"]).upper()), int):
         raise ValueError(f"unknown log level {cfg['log_level']!r}; have DEBUG, INFO, WARNING, ERROR")
     link_config(DeviceConfig(mtu=int(cfg["mtu"]), cc=str(cfg["cc"]), link=cfg["link"],
@@ -216,7 +228,7 @@ class DeviceConfig:
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
                  gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8,
-                 quota: Quota | None = None) -> None:
+                 quota: Quota | None = None, key: bytes | None = None) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -245,6 +257,8 @@ class DeviceConfig:
         #: so that the answers to the first leave before the rest are worked
         #: through (see receive.py)
         self.rx_dispatch_budget = rx_dispatch_budget
+        #: the cluster key (clusterkey.py), or None: datagrams go unauthenticated
+        self.key = key
 
 
 def link_config(config: DeviceConfig) -> LinkConfig:
@@ -259,7 +273,9 @@ def link_config(config: DeviceConfig) -> LinkConfig:
     # microsecond) capped a 1472-byte Write stream at a few packets per
     # pass, and a fixed 32 packets capped it with long passes.  So the burst
     # is also a time: 1 ms at the pacing rate.
-    lc = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD, cc=config.cc,
+    # A full datagram, with the cluster key's trailer, must still fit the MTU.
+    trailer = TRAILER_LEN if config.key is not None else 0
+    lc = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD - trailer, cc=config.cc,
                     pacing_burst_packets=DAEMON_PACING_BURST_PACKETS, pacing_burst_s=DAEMON_PACING_BURST_S,
                     min_rto_s=DAEMON_MIN_RTO_S)
     create_cc(config.cc, config.mtu)  # raises ValueError for an unknown name, now rather than per link

@@ -72,6 +72,7 @@ from ..wire import native as wire_native
 from ..wire.errors import WireError
 from ..wire.shm import EventType
 from . import tables
+from .clusterkey import Guard
 from .config import DeviceConfig, link_config
 from .loop import DataLoop, hand_over
 from .peer import PeerLink, SendLane
@@ -188,6 +189,12 @@ class Device:
         # socket buffer, or a blasting sender loses datagrams to overflow.
         self.link_config.rwnd_packets = datagrams_that_fit(self.udp.receive_buffer_bytes(), self.config.mtu,
                                                            high=self.link_config.rwnd_packets)
+        if self.config.key is not None:
+            self.udp.seal_with(Guard(self.config.key, addr, self.stats))
+            if self.lane is not None:
+                self.lane.may_arm = False
+            log.info("cluster key set: every datagram authenticated; the compiled armed read is off "
+                     "(it would place a datagram before its tag is checked)")
         fd = self.udp.sock.fileno()  # type: ignore[union-attr]
         self.loop.add_socket(fd)
         if self.lane is not None:

@@ -144,6 +144,9 @@ class ReceiveLane:
         #: ``setup``'s answer, memory, the link's next sequence, the STag
         #: table's version)
         self.armed: tuple[PeerLink, RunSetup, Any, int, int] | None = None
+        #: whether ``arm`` may set the compiled read up: not with a cluster
+        #: key, since that read places a datagram before anything could check its tag
+        self.may_arm = True
 
     # -- setting a run up ---------------------------------------------------------
     def setup(self, pl: PeerLink, limit: int, drop: bool = True) -> RunSetup | None:
@@ -264,7 +267,7 @@ class ReceiveLane:
         which would keep deregistration from unmapping it: no region the
         arming saw can go without the STag table's version moving.
         """
-        if pl.rx_hint is None or links.get(pl.addr) is not pl:
+        if pl.rx_hint is None or not self.may_arm or links.get(pl.addr) is not pl:
             return
         setup = self.setup(pl, limit if pl.rx_hint[2] in ANSWERED_BY_DAEMON else WHOLE_MAX, drop=False)
         if setup is None:

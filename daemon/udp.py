@@ -12,6 +12,12 @@ times come from the kernel (SO_TIMESTAMPNS), so that a link's RTT samples
 measure the path between two kernels, not how long a datagram waited for
 a daemon that was not running.
 
+With a cluster key (``clusterkey.py``) the port seals every datagram it
+sends and opens every buffer it reads: one call into its ``guard`` on each
+path, next to the socket, so nothing can leave or come in around it.  A
+UDP_SEGMENT run is sealed datagram by datagram (each segment carries its
+own trailer), and runs are kept short enough that the trailers still fit.
+
 Send errors are counters, never exceptions: a datagram the kernel would not
 take (a full buffer, ICMP errors reported on the socket) is retransmitted
 by its link.  ``sent`` tells the data loop that the pass sent something.
@@ -29,6 +35,7 @@ import sys
 from typing import Any
 
 from ..transport.link import Burst, one_per_datagram
+from ..wire.auth import TRAILER_LEN
 
 log = logging.getLogger("udpverbs.daemon")
 
@@ -84,6 +91,10 @@ class UdpPort:
         self.gro = False  # UDP_GRO receives (set by bind)
         self.rx_stamps = False  # SO_TIMESTAMPNS arrival times (set by bind)
         self.sent = False  # something was sent since the data loop last cleared this
+        #: the cluster key's guard (clusterkey.Guard): None, or it seals and opens every datagram
+        self.guard: Any = None
+        #: the most bytes a UDP_SEGMENT run may add up to before it is sealed
+        self.gso_max_bytes = GSO_MAX_BYTES
 
     def bind(self, addr: str, port: int, batching: bool) -> tuple[str, int]:
         """Bind to ``(addr, port)`` (0: any free port) and set the socket up;
@@ -130,6 +141,13 @@ class UdpPort:
         self.rx_epoll.register(s.fileno(), select.EPOLLIN)
         return s.getsockname()  # type: ignore[no-any-return]
 
+    def seal_with(self, guard: Any) -> None:
+        """Seal every datagram sent and open every buffer read with ``guard``
+        (a ``clusterkey.Guard``), leaving room in each UDP_SEGMENT run for
+        its datagrams' trailers."""
+        self.guard = guard
+        self.gso_max_bytes = GSO_MAX_BYTES - GSO_MAX_SEGMENTS * TRAILER_LEN
+
     def receive_buffer_bytes(self) -> int:
         """The socket's receive buffer as the kernel granted it."""
         assert self.sock is not None
@@ -165,6 +183,8 @@ class UdpPort:
                 data, anc, msg_flags, addr = sock.recvmsg(RX_BUF, _RX_CMSG_SPACE)
             else:
                 data, addr = sock.recvfrom(RX_BUF)
+                if self.guard is not None:
+                    return self.guard.open(data, addr, len(data), now)  # type: ignore[no-any-return]
                 return data, addr, len(data), now
         except (BlockingIOError, InterruptedError):
             return None
@@ -189,11 +209,15 @@ class UdpPort:
             self.stats["rx_gro_batches"] += 1
         else:
             seg = len(data)
+        if self.guard is not None:
+            return self.guard.open(data, addr, seg, arrived)  # type: ignore[no-any-return]
         return data, addr, seg, arrived
 
     # -- sending --------------------------------------------------------------------
     def sendto(self, datagram: bytes | memoryview, addr: tuple[str, int]) -> None:
         """Send one datagram now (errors counted: its link retransmits it)."""
+        if self.guard is not None:
+            datagram = self.guard.seal(datagram, addr)
         try:
             self.sock.sendto(datagram, addr)  # type: ignore[union-attr]
         except (BlockingIOError, InterruptedError):
@@ -205,6 +229,8 @@ class UdpPort:
     def send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
         """One ``sendto`` per datagram."""
         assert self.sock is not None
+        if self.guard is not None:
+            out = self.guard.seal_each(out, addr)
         sendto = self.sock.sendto
         for d in out:
             try:
@@ -240,7 +266,7 @@ class UdpPort:
         failed, the rest went one by one)."""
         first = out[i]
         view, size = first.view, first.size
-        step = max(1, min(GSO_MAX_SEGMENTS, GSO_MAX_BYTES // size)) * size
+        step = max(1, min(GSO_MAX_SEGMENTS, self.gso_max_bytes // size)) * size
         total = len(view)
         n = len(out)
         j = i + 1
@@ -280,7 +306,7 @@ class UdpPort:
             if type(d) is Burst:
                 break
             k = len(d)
-            if k > size or total + k > GSO_MAX_BYTES:
+            if k > size or total + k > self.gso_max_bytes:
                 break
             total += k
             j += 1
@@ -299,6 +325,9 @@ class UdpPort:
         sock = self.sock
         assert sock is not None
         stats = self.stats
+        plain, plain_size = buffers, size
+        if self.guard is not None:
+            buffers, size = self.guard.seal_run(buffers, size, addr)
         one = len(buffers) == 1 and len(buffers[0]) <= size
         try:
             if one:
@@ -318,7 +347,7 @@ class UdpPort:
                 if e.errno != errno.EINVAL:
                     log.warning("UDP_SEGMENT refused (%s): sending datagrams one by one", e)
                     self.gso = False
-                self.send_each([d for b in buffers for d in Burst(memoryview(b), size).datagrams()], addr)
+                self.send_each([d for b in plain for d in Burst(memoryview(b), plain_size).datagrams()], addr)
                 return self.gso
             stats["tx_oserror"] += _count(buffers, size)
         return True

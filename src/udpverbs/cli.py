@@ -21,6 +21,10 @@ and a plot.
 daemons (or daemons a ``--hosts`` file names), as mpirun does; see
 :mod:`udpverbs.launch`.  Its exit status is the job's.
 
+``udpverbs keygen PATH`` writes a new cluster key for ``udpverbsd
+--key-file`` (32 random bytes as hex text, mode 0600; never over an
+existing file).
+
 Exit status: 0 on success, 2 for a usage error, 1 when the run failed.
 """
 
@@ -130,13 +134,15 @@ def daemon_args_from(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf``, ``demo`` and ``run``)."""
+    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf``, ``demo``, ``run`` and ``keygen``)."""
     parser = argparse.ArgumentParser(prog="udpverbs",
                                      description="RDMA verbs over plain UDP: benchmarks, demo, job launcher")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_perf_parser(sub)
     _add_demo_parser(sub)
     _add_run_parser(sub)
+    keygen = sub.add_parser("keygen", help="write a new cluster key for udpverbsd --key-file (mode 0600)")
+    keygen.add_argument("path", metavar="PATH", help="the key file to create (an existing file is not overwritten)")
     return parser
 
 
@@ -494,6 +500,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """Run ``udpverbs keygen PATH``; returns the exit status."""
+    from udpverbs.daemon.clusterkey import write_new_key
+
+    try:
+        write_new_key(args.path)
+    except FileExistsError:
+        raise UsageError(f"{args.path} exists; a key in use is never overwritten (remove it first)") from None
+    print(f"wrote a new cluster key to {args.path}; copy it to every host of the cluster (mode 0600) and "
+          f"start each udpverbsd with --key-file {args.path}", file=sys.stderr)
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run ``udpverbs run``; returns the job's exit status."""
     command = args.command_argv[1:] if args.command_argv[:1] == ["--"] else args.command_argv
@@ -526,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_perf(args)
         if command == "run":
             return cmd_run(args)
+        if command == "keygen":
+            return cmd_keygen(args)
         return cmd_demo(args)
     except (UsageError, group_perf.GroupUsageError, PlotUnavailable) as e:
         print(f"udpverbs {command}: error: {e}", file=sys.stderr)
