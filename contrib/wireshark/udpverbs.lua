@@ -43,6 +43,8 @@ local LINK_VERSION = 1
 local HEADER_LEN = 28
 local CRC_LEN = 4
 local MIN_PACKET = HEADER_LEN + CRC_LEN
+-- the cluster key's trailer after each link packet (udpverbsd --key-file): salt, packet number, tag
+local AUTH_TRAILER_LEN = 28
 local MAX_SACK = 4
 local ENVELOPE_LEN = 8
 local INIT_LEN = 20
@@ -127,6 +129,9 @@ local f = {
     crc = F.uint32("udpverbs.crc", "CRC32c", base.HEX),
     crc_status = F.uint8("udpverbs.crc.status", "CRC32c status", base.DEC, CRC_STATUS),
     gso = F.uint16("udpverbs.gso_packets", "Link packets in this datagram (GSO)", base.DEC),
+    auth_salt = F.uint32("udpverbs.auth.salt", "Cluster key: salt", base.HEX),
+    auth_pn = F.uint64("udpverbs.auth.pn", "Cluster key: packet number", base.DEC),
+    auth_tag = F.bytes("udpverbs.auth.tag", "Cluster key: MAC (GMAC tag)"),
 
     init_tag = F.uint32("udpverbs.init.tag", "Sender's tag", base.HEX),
     init_isn = F.uint32("udpverbs.init.isn", "Initial sequence number", base.DEC),
@@ -298,12 +303,24 @@ local function header_at(s, off, n)
     return v == LINK_VERSION and PTYPES[p] ~= nil and reserved == 0 and nsack <= MAX_SACK
 end
 
--- The size of the packets of a GSO run held in s, or n when s is one packet.
+-- How many bytes of cluster-key trailer follow the link packet at 1-based
+-- [1, size] of s: 0 or AUTH_TRAILER_LEN, whichever leaves a packet ending in
+-- its own CRC32c; nil when neither does.
+local function trailer_of(s, size)
+    if size >= MIN_PACKET and crc_ok(s, 1, size) then return 0 end
+    if size >= MIN_PACKET + AUTH_TRAILER_LEN and crc_ok(s, 1, size - AUTH_TRAILER_LEN) then
+        return AUTH_TRAILER_LEN
+    end
+    return nil
+end
+
+-- The size of the pieces of a GSO run held in s (each a link packet and its
+-- trailer, if any), or n when s is one piece; and the trailer's length.
 local function run_size(s, n)
     local from = MIN_PACKET + 1 -- a second packet starts at offset 32 or later
     while true do
         local at = string.find(s, "\1[\1-\7]", from) -- version 1, a packet type
-        if at == nil then return n end
+        if at == nil then return n, trailer_of(s, n) end
         local size = at - 1
         local ok = true
         local off = size
@@ -312,7 +329,10 @@ local function run_size(s, n)
             off = off + size
         end
         -- a CRC on the first piece tells a real run from a look-alike in a payload
-        if ok and crc_ok(s, 1, size) then return size end
+        if ok then
+            local tail = trailer_of(s, size)
+            if tail ~= nil then return size, tail end
+        end
         from = at + 1
     end
 end
@@ -647,8 +667,9 @@ local function dissect(tvb, pinfo, root, from_heuristic)
     if not looks_like_link(tvb) then return 0 end
     local raw = tvb:raw()
     local n = tvb:len()
-    local size = run_size(raw, n)
-    if from_heuristic and size == n and not crc_ok(raw, 1, n) then return 0 end
+    local size, tail = run_size(raw, n)
+    if from_heuristic and size == n and tail == nil then return 0 end
+    tail = tail or 0
     pinfo.cols.protocol:set("udpverbs")
     local summaries, count, first = {}, 0, nil
     local check = udpverbs.prefs.check_crc
@@ -656,7 +677,14 @@ local function dissect(tvb, pinfo, root, from_heuristic)
     while off < n do
         local len = math.min(size, n - off)
         count = count + 1
-        local summary, t = dissect_link_packet(tvb, raw, off, len, pinfo, root, check)
+        local summary, t = dissect_link_packet(tvb, raw, off, len - tail, pinfo, root, check)
+        if tail > 0 then
+            local at = off + len - tail
+            local tt = t:add(tvb(at, tail), "Cluster key trailer")
+            tt:add(f.auth_salt, tvb(at, 4))
+            tt:add(f.auth_pn, tvb(at + 4, 8))
+            tt:add(f.auth_tag, tvb(at + 12, tail - 12))
+        end
         summaries[count] = summary
         first = first or t
         off = off + len

@@ -29,8 +29,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from udpverbs.daemon.clusterkey import write_new_key
 from udpverbs.daemon.config import DEFAULT_PORT
-from udpverbs.wire import envelope, link
+from udpverbs.wire import auth, envelope, link
 from udpverbs.wire.barrier import BarrierType
 from udpverbs.wire.cm import CmType
 from udpverbs.wire.flow import FlowType
@@ -224,14 +225,22 @@ def _check(decoded: Decoded, tour: Tour) -> None:
     assert not decoded.names & {"_ws.malformed", "udpverbs.malformed", "udpverbs.crc.bad"}, decoded.experts
 
 
-def test_the_lua_dissector_decodes_a_live_capture_of_every_opcode() -> None:
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "cluster key"])
+def test_the_lua_dissector_decodes_a_live_capture_of_every_opcode(keyed: bool) -> None:
+    # With a cluster key every link packet, each piece of a GSO run too, is
+    # followed by the 28-byte trailer the dissector must step over.
     tshark, dumpcap = _tools()
     with tempfile.TemporaryDirectory(prefix="udpverbs-ws-") as d:
-        da = DaemonProc("uvWa", "127.0.0.2", d, seed=41).start()
+        extra: tuple[str, ...] = ()
+        if keyed:
+            key = os.path.join(d, "cluster.key")
+            write_new_key(key)
+            extra = (f"--key-file={key}",)
+        da = DaemonProc("uvWa", "127.0.0.2", d, seed=41, extra=extra).start()
         db = None
         cap = None
         try:
-            db = DaemonProc("uvWb", "127.0.0.3", d, seed=42).start()
+            db = DaemonProc("uvWb", "127.0.0.3", d, seed=42, extra=extra).start()
             cap = Capture(dumpcap, [da.port, db.port], os.path.join(d, "tour.pcapng"))
             a, b = Side(da), Side(db, access=ACCESS_ATOMIC)
             try:
@@ -249,6 +258,7 @@ def test_the_lua_dissector_decodes_a_live_capture_of_every_opcode() -> None:
         with_iwarp = Decoded(_tshark_pdml(tshark, cap.path), da.addr)
         assert "iwarp_ddp_rdmap" in with_iwarp.names
         _check(with_iwarp, tour)
+        assert ("udpverbs.auth.pn" in with_iwarp.names) == keyed
         ports = f"{da.port},{db.port}"
         alone = Decoded(_tshark_pdml(tshark, cap.path, "udpverbs.use_iwarp:FALSE", "udpverbs.heuristic:FALSE",
                                      f"udpverbs.ports:{ports}"), da.addr)
@@ -274,6 +284,7 @@ def test_the_lua_dissector_has_the_constants_of_wire() -> None:
     assert int(consts["INIT_LEN"]) == len(link.encode_init(link.LinkInit(0, 0, 0, 0, 0)))
     assert int(consts["ENVELOPE_LEN"]) == envelope.ENVELOPE_LEN
     assert int(consts["FLOW_ACK_LEN"]) == envelope.FLOW_ACK_LEN
+    assert int(consts["AUTH_TRAILER_LEN"]) == auth.TRAILER_LEN
     assert _lua_table(text, "PTYPES") == {int(t): t.name for t in link.PacketType}
     assert _lua_table(text, "KINDS") == {int(k): k.name for k in envelope.Kind}
     assert _lua_table(text, "FLOW_TYPES") == {int(t): t.name for t in FlowType}
