@@ -512,6 +512,14 @@ class HostileClient:
         self.sock.close()
 
 
+def test_a_request_too_short_to_name_its_op_is_refused_as_hello(world: World) -> None:
+    # A one-byte request was answered as if its byte were the op's high byte (0x02 -> ALLOC_PD).
+    with foreign_connection(world.a.socket_path) as sock:
+        sock.send(b"\x02")
+        rep = _reply(sock, 10.0)
+    assert rep and ctl.decode_reply(rep, ctl.Op.HELLO)[0] == errno.EINVAL, rep
+
+
 def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
