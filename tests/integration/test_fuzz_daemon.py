@@ -513,7 +513,7 @@ class HostileClient:
 
 
 def test_a_request_too_short_to_name_its_op_is_refused_as_hello(world: World) -> None:
-    # A one-byte request was answered as if its byte were the op's high byte (0x02 -> ALLOC_PD).
+    # A lone byte names no op: the error must not name one the client never sent (0x02 spells ALLOC_PD).
     with foreign_connection(world.a.socket_path) as sock:
         sock.send(b"\x02")
         rep = _reply(sock, 10.0)
