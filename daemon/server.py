@@ -159,6 +159,10 @@ async def _refuse_waiting(sock: trio.socket.SocketType, spare: int | None, code:
 
 
 def _op_of(data: bytes) -> Op:
+    # Too short to name an op: answered as an unknown op is, not with the op
+    # a lone first byte would spell.
+    if len(data) < 2:
+        return Op.HELLO
     try:
         return Op(int.from_bytes(data[:2], "big"))
     except ValueError:
