@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import struct
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -107,7 +107,7 @@ async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> 
         if op >= Op.CM_LISTEN:
             if not sess.hello:
                 raise TableError(errno.EPROTO, "HELLO first")
-            rep = await sess.handle_async(op, req)
+            rep = await _unless_hung_up(sess.conn, lambda: sess.handle_async(op, req))
             if rep is None:
                 raise TableError(errno.EOPNOTSUPP, "no connection manager")
             return rep, []
@@ -119,6 +119,46 @@ async def _serve_one(sess: Session, data: bytes, fds: list[int], flags: int) -> 
             raise
         # memfd_create, mmap or eventfd found the process out of fds or memory
         return ctl.encode_error(op, e.errno, f"the daemon is out of resources: {e}"), []
+
+
+async def _unless_hung_up(conn: trio.socket.SocketType, work: Callable[[], Awaitable[bytes | None]]) -> bytes | None:
+    """``await work()``, unless the client hangs up first.
+
+    A connection-manager request may wait for as long as the client asked
+    (days); a client that dies meanwhile must not keep its listener, QPs and
+    regions until then.  Raises trio.BrokenResourceError on the hang-up,
+    which ends the session.
+    """
+    result: list[bytes | None] = []
+    failed: list[Exception] = []
+
+    async def run(cancel: trio.CancelScope) -> None:
+        try:
+            result.append(await work())
+        except Exception as e:  # raised below as itself, not inside the nursery's ExceptionGroup
+            failed.append(e)
+        cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, nursery.cancel_scope)
+        await _hang_up(conn)
+        nursery.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    if not result:
+        raise trio.BrokenResourceError("the client hung up while its request waited")
+    return result[0]
+
+
+async def _hang_up(conn: trio.socket.SocketType) -> None:
+    """Return once the client has closed its end (EOF or an error on the socket)."""
+    try:
+        peek = await conn.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return
+    if not peek:
+        return
+    await trio.sleep_forever()  # a request queued behind this one: served after it
 
 
 async def _refuse(conn: trio.socket.SocketType, code: int, text: str) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import trio
@@ -139,3 +142,40 @@ def test_destroying_a_connected_qp_ends_the_peer(sides, daemons) -> None:
     b.qp.post_recv(verbs.RecvWR(wr_id=4))
     (wc,) = b.cq.poll_blocking(1, timeout=10)
     assert (wc.wr_id, wc.status) == (4, IBV_WC_WR_FLUSH_ERR)
+
+
+_WAIT_THEN_DIE = """
+import sys
+from udpverbs import verbs
+ctx = verbs.Context(socket_path=sys.argv[1])
+lst = verbs.CMListener(ctx, port=7011)
+print("listening", flush=True)
+lst.get_request(timeout=3600)
+"""
+
+
+def test_a_client_that_dies_while_waiting_frees_what_it_held(daemons) -> None:
+    # get_request may wait for as long as its caller asked; a client killed
+    # meanwhile must not keep its listener (and the rest of its context)
+    # until then.
+    proc = subprocess.Popen([sys.executable, "-c", _WAIT_THEN_DIE, daemons[1].socket_path],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+        time.sleep(0.2)  # the request reaches the daemon and waits there
+    finally:
+        proc.kill()
+        proc.wait(10)
+    ctx = verbs.Context(socket_path=daemons[1].socket_path)
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                verbs.CMListener(ctx, port=7011).close()
+                break
+            except verbs.VerbsError as e:
+                assert e.error_code == errno.EADDRINUSE
+                assert time.monotonic() < deadline, "the dead client's listener outlived it"
+                time.sleep(0.05)
+    finally:
+        ctx.close()
