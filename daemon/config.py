@@ -22,6 +22,7 @@ import tomllib
 from typing import Any
 
 from ..transport.congestion.base import create as create_cc
+from ..transport.impair import ImpairSpec, parse_spec
 from ..transport.link import LinkConfig
 from ..wire import ctl
 from ..wire import link as wire_link
@@ -96,6 +97,10 @@ def parser() -> argparse.ArgumentParser:
                    help="freed heap memory the daemon keeps mapped for its next buffers instead of returning it to "
                    f"the kernel, which would make each reuse page-fault (default {heap.DEFAULT_KEEP_MB}; 0: the C "
                    "library's default)")
+    p.add_argument("--impair", metavar="SPEC",
+                   help="impair every datagram this daemon sends, as tc netem would, to test on a bad network: "
+                   "e.g. loss=0.05,dup=0.02,reorder=0.05,corrupt=0.001,delay=200us,jitter=50us,rate=1gbit "
+                   "(seeded by --seed; TOML table [impair])")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
@@ -142,7 +147,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
             data = tomllib.load(f)
         for k, v in data.items():
             key = k.replace("-", "_")
-            if key not in _KEYS and key not in ("link", "quota"):
+            if key not in _KEYS and key not in ("link", "quota", "impair"):
                 raise ValueError(f"{args.config}: unknown key {k!r}")
             cfg[key] = v
     for k in _KEYS:
@@ -159,6 +164,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     check_mtu(cfg["mtu"])
     cfg["link"] = _settings("link", cfg, args.link)
     cfg["quota"] = Quota.from_settings(_settings("quota", cfg, args.quota))
+    cfg["impair"] = impair_spec(cfg.pop("impair", None), args.impair)
     cfg["ready_fd"] = args.ready_fd
     if cfg["socket"] is None:
         cfg["socket"] = socket_path(cfg["name"])
@@ -177,6 +183,21 @@ def _settings(table: str, cfg: dict[str, Any], flags: list[str]) -> dict[str, An
             raise ValueError(f"--{table} {item!r}: expected KEY=VALUE")
         out[key.strip()] = value.strip()
     return out
+
+
+def impair_spec(table: Any, flag: str | None) -> ImpairSpec | None:
+    """The impairment of ``--impair SPEC``, else of the TOML ``[impair]``
+    table (the flag replaces the whole table); None when neither is given.
+
+    Raises: ValueError for a table that is not one, or a bad key or value.
+    """
+    if flag is not None:
+        return parse_spec(flag)
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ValueError(f"[impair] must be a table of KEY = VALUE, not {table!r}")
+    return ImpairSpec.from_items(table)
 
 
 def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
@@ -216,7 +237,7 @@ class DeviceConfig:
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
                  gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8,
-                 quota: Quota | None = None) -> None:
+                 quota: Quota | None = None, impair: ImpairSpec | None = None) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -245,6 +266,8 @@ class DeviceConfig:
         #: so that the answers to the first leave before the rest are worked
         #: through (see receive.py)
         self.rx_dispatch_budget = rx_dispatch_budget
+        #: what to do to every datagram sent (``--impair``; None: nothing)
+        self.impair = impair
 
 
 def link_config(config: DeviceConfig) -> LinkConfig:
