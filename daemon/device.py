@@ -242,6 +242,9 @@ class Device:
         self.announce_fatal()
         for sess in list(self.sessions):
             sess.teardown()
+        if self.impair is not None:
+            # what is held (the ABORTs among it) leaves now rather than never
+            self.impair.release(float("inf"))
         self.udp.close()
         self.loop.close()
 
