@@ -40,7 +40,8 @@ async def run(cfg: dict[str, Any]) -> None:
     device = Device(DeviceConfig(name=cfg["name"], addr=cfg["addr"], port=int(cfg["port"]), mtu=int(cfg["mtu"]),
                                  spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
                                  link=cfg["link"], gso=cfg["gso"], native=cfg["native"],
-                                 rx_dispatch_budget=cfg["rx_dispatch_budget"], quota=cfg["quota"], key=cfg["key"]))
+                                 rx_dispatch_budget=cfg["rx_dispatch_budget"], quota=cfg["quota"], key=cfg["key"],
+                                 impair=cfg["impair"]))
     try:
         try:
             ip, port = device.bind()

@@ -22,6 +22,7 @@ import tomllib
 from typing import Any
 
 from ..transport.congestion.base import create as create_cc
+from ..transport.impair import ImpairSpec, parse_spec
 from ..transport.link import LinkConfig
 from ..wire import ctl
 from ..wire import link as wire_link
@@ -102,6 +103,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the cluster key (hex text, at least 32 bytes, mode 0600; make one with udpverbs keygen "
                    "PATH): every datagram is then authenticated and replays are dropped; every daemon of the "
                    "cluster needs the same key")
+    p.add_argument("--impair", metavar="SPEC",
+                   help="impair every datagram this daemon sends, as tc netem would, to test on a bad network: "
+                   "e.g. loss=0.05,dup=0.02,reorder=0.05,corrupt=0.001,delay=200us,jitter=50us,rate=1gbit "
+                   "(seeded by --seed; TOML table [impair])")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
     return p
 
@@ -148,7 +153,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
             data = tomllib.load(f)
         for k, v in data.items():
             key = k.replace("-", "_")
-            if key not in _KEYS and key not in ("link", "quota"):
+            if key not in _KEYS and key not in ("link", "quota", "impair"):
                 raise ValueError(f"{args.config}: unknown key {k!r}")
             cfg[key] = v
     for k in _KEYS:
@@ -165,6 +170,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     check_mtu(cfg["mtu"])
     cfg["link"] = _settings("link", cfg, args.link)
     cfg["quota"] = Quota.from_settings(_settings("quota", cfg, args.quota))
+    cfg["impair"] = impair_spec(cfg.pop("impair", None), args.impair)
     cfg["ready_fd"] = args.ready_fd
     if cfg["socket"] is None:
         cfg["socket"] = socket_path(cfg["name"])
@@ -183,6 +189,21 @@ def _settings(table: str, cfg: dict[str, Any], flags: list[str]) -> dict[str, An
             raise ValueError(f"--{table} {item!r}: expected KEY=VALUE")
         out[key.strip()] = value.strip()
     return out
+
+
+def impair_spec(table: Any, flag: str | None) -> ImpairSpec | None:
+    """The impairment of ``--impair SPEC``, else of the TOML ``[impair]``
+    table (the flag replaces the whole table); None when neither is given.
+
+    Raises: ValueError for a table that is not one, or a bad key or value.
+    """
+    if flag is not None:
+        return parse_spec(flag)
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ValueError(f"[impair] must be a table of KEY = VALUE, not {table!r}")
+    return ImpairSpec.from_items(table)
 
 
 def configure(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[str, Any]:
@@ -228,7 +249,8 @@ class DeviceConfig:
                  max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
                  gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8,
-                 quota: Quota | None = None, key: bytes | None = None) -> None:
+                 quota: Quota | None = None, key: bytes | None = None,
+                 impair: ImpairSpec | None = None) -> None:
         self.name = name
         self.addr = addr
         self.port = port
@@ -259,6 +281,8 @@ class DeviceConfig:
         self.rx_dispatch_budget = rx_dispatch_budget
         #: the cluster key (clusterkey.py), or None: datagrams go unauthenticated
         self.key = key
+        #: what to do to every datagram sent (``--impair``; None: nothing)
+        self.impair = impair
 
 
 def link_config(config: DeviceConfig) -> LinkConfig:

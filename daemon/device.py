@@ -14,6 +14,7 @@ module of its own, in one direction of dependency (``tests/test_layering.py``):
 ``ports``       what the engine asks of the device (``QPHost``, ``PeerHost``)
 ``policy``      when a pass sends: as soon as it can, or in pass order
 ``udp``         the UDP socket: batching (GSO/GRO), arrival stamps
+``impaired``    ``--impair``: the socket's send side through an impairment model
 ``peer``        one reliable link to a peer daemon, and what QPs send on it
 ``qp``          queue pairs, by role: ``requester``, ``responder``, ``completer``
 ``scheduler``   which QPs a pass visits, and in what order
@@ -30,7 +31,8 @@ The engine below the device reaches it only through ``ports.QPHost`` and
 A pass (:meth:`Device.poll_once`) does, without awaiting:
 
 1. receive: read what waits on the socket and feed it to the links;
-   dispatch what they deliver (``receive.Receiver``);
+   dispatch what they deliver (``receive.Receiver``); with ``--impair``,
+   send the datagrams the impairment held that are now due;
 2. fire link timers that are due and react to link events (a failed link
    fails its QPs with IBV_WC_RETRY_EXC_ERR); note the RDMA Writes the links
    acknowledged;
@@ -65,6 +67,7 @@ import trio
 
 from ..transport.link import Link, LinkFailed, LinkUp
 from ..transport.cookie import CookieJar
+from ..transport.impair import Impairment
 from ..transport.sockbuf import datagrams_that_fit
 from ..wire import ctl, envelope
 from ..wire import link as wire_link
@@ -74,6 +77,7 @@ from ..wire.shm import EventType
 from . import tables
 from .clusterkey import Guard
 from .config import DeviceConfig, link_config
+from .impaired import ImpairedSocket
 from .loop import DataLoop, hand_over
 from .peer import PeerLink, SendLane
 from .policy import EAGER, LoopPolicy
@@ -161,6 +165,8 @@ class Device:
         # UDPVERBS_CHECK_PASSES=1 (the test suite sets it): check after every
         # pass that no QP it left out had work (QPScheduler.check)
         self.check_passes = os.environ.get("UDPVERBS_CHECK_PASSES", "") not in ("", "0")
+        #: the egress impairment (``--impair``), in place once bound; None: none
+        self.impair: ImpairedSocket | None = None
 
     @property
     def cm(self) -> Any:
@@ -195,11 +201,29 @@ class Device:
                 self.lane.may_arm = False
             log.info("cluster key set: every datagram authenticated; the compiled armed read is off "
                      "(it would place a datagram before its tag is checked)")
+        if self.config.impair is not None:
+            self._impair()
         fd = self.udp.sock.fileno()  # type: ignore[union-attr]
         self.loop.add_socket(fd)
         if self.lane is not None:
             self.lane.recv.fd = fd
         return addr
+
+    def _impair(self) -> None:
+        """Put the impairment between the device and its socket, and say so loudly."""
+        spec = self.config.impair
+        seed = self.config.seed if self.config.seed is not None else secrets.randbits(32)
+        # the name too: two daemons given one --seed impair differently
+        model = Impairment(spec, random.Random(f"impair {seed} {self.config.name}"))
+        self.impair = ImpairedSocket(self.udp.sock, model, lambda: self.clock(), self.stats,
+                                     self.udp.gso)
+        # in the socket's place: the last step before the wire, after
+        # everything the device puts into a datagram
+        self.udp.sock = self.impair  # type: ignore[assignment]
+        log.warning("IMPAIRED: every datagram this daemon sends goes through %s (seed %d%s), each of a "
+                    "UDP_SEGMENT run too; counters impair_*. A test setting, not for production.", spec.describe(),
+                    seed,
+                    "" if self.config.seed is not None else ", drawn: give --seed to repeat it")
 
     def sessions_changed(self) -> None:
         """Recheck, as a session opens or closes, whether the yield after a
@@ -225,6 +249,9 @@ class Device:
         self.announce_fatal()
         for sess in list(self.sessions):
             sess.teardown()
+        if self.impair is not None:
+            # what is held (the ABORTs among it) leaves now rather than never
+            self.impair.release(float("inf"))
         self.udp.close()
         self.loop.close()
 
@@ -341,6 +368,8 @@ class Device:
         if self.qps.version != sched.seen:
             self._qps_changed()
         progress = self.receiver.step(now)
+        if self.impair is not None and self.impair.release(now):
+            progress = True
         # (the steps' cheapest questions are asked here, inline: these are
         # calls on every pass of a spinning daemon)
         to = sched.delivered_to
@@ -453,12 +482,18 @@ class Device:
             d = pl.link.next_deadline()
             if d is not None and d < t:
                 t = d
+        if self.impair is not None:
+            d = self.impair.next_deadline()
+            if d is not None and d < t:
+                t = d
         return self.scheduler.deadline(t)
 
     def dump_stats(self) -> dict[str, int]:
         """The device's counters, with the data loop's busy time and every link's counters summed."""
         out = dict(self.stats)
         out["data_busy_us"] = int(self.busy_s * 1e6)
+        if self.impair is not None:
+            out.update(self.impair.counters())
         for pl in self.links.values():
             if pl.link.framed_datagrams:
                 out["tx_native_datagrams"] = out.get("tx_native_datagrams", 0) + pl.link.framed_datagrams

@@ -17,6 +17,10 @@ Send is NACKed and resumed; the latencies include the wait.
 write latency sweep and write bandwidth sweep with the baseline, the tables,
 and a plot.
 
+``udpverbs soak --bytes 1G`` moves that many bytes between two local
+daemons with a mix of Writes, Reads and Sends, checks every byte, and does
+it again under ``--impair`` (see :mod:`udpverbs.bench.soak`).
+
 ``udpverbs run -n N -- COMMAND ...`` starts N ranks of COMMAND with local
 daemons (or daemons a ``--hosts`` file names), as mpirun does; see
 :mod:`udpverbs.launch`.  Its exit status is the job's.
@@ -36,7 +40,7 @@ import sys
 from typing import Sequence, TextIO
 
 from udpverbs import launch
-from udpverbs.bench import group_perf, local
+from udpverbs.bench import group_perf, local, soak
 from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
 from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
 from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
@@ -48,7 +52,8 @@ CONNECT_TIMEOUT_S = 10.0
 #: The demo moves at most this much per message size, to finish in about a minute.
 DEMO_VOLUME_BYTES = 16 << 20
 #: Errors that end a run with a message instead of a traceback.
-RUN_ERRORS = (ControlError, BaselineError, VerbsRunError, group_perf.GroupRunError, local.LocalRunError, OSError)
+RUN_ERRORS = (ControlError, BaselineError, VerbsRunError, group_perf.GroupRunError, local.LocalRunError, OSError,
+              soak.SoakError)
 
 
 class UsageError(Exception):
@@ -125,6 +130,8 @@ def daemon_args_from(args: argparse.Namespace) -> list[str]:
         raise UsageError("--daemon-arg goes with --local: a daemon you started keeps the flags you gave it")
     if args.command == "perf" and args.baseline_only:
         raise UsageError("--daemon-arg: --baseline-only starts no daemon")
+    if args.command == "soak" and any(a.startswith("--impair") for a in args.daemon_args):
+        raise UsageError("--daemon-arg: give the impairment with soak's own --impair")
     if args.command == "run" and args.hosts:
         raise UsageError("--daemon-arg goes without --hosts: a daemon you started keeps the flags you gave it")
     try:
@@ -143,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
     keygen = sub.add_parser("keygen", help="write a new cluster key for udpverbsd --key-file (mode 0600)")
     keygen.add_argument("path", metavar="PATH", help="the key file to create (an existing file is not overwritten)")
+    _add_soak_parser(sub)
     return parser
 
 
@@ -283,6 +291,35 @@ def _add_run_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                      help="say on stderr which daemons and ranks started, with their pids")
     run.add_argument("command_argv", metavar="COMMAND", nargs=argparse.REMAINDER,
                      help="the command each rank runs, after '--'")
+
+
+def _add_soak_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``udpverbs soak`` and its flags to ``sub``."""
+    s = sub.add_parser(
+        "soak", help="move many bytes between two local daemons, clean and impaired, and check every one",
+        description="Start two local daemons, move --bytes with a seeded mix of RDMA Writes, Reads and Sends "
+        "(sizes log-uniform from --min-size to --max-size), check that every work request completes and that "
+        "the digests of what arrived equal those of what was sent, per op type; then again with both daemons "
+        "started with --impair SPEC. Prints each run's goodput and their ratio. Exit status: 0 if both runs "
+        "passed, 1 on any failure, 2 for a usage error.")
+    s.add_argument("--bytes", dest="total_bytes", type=_size, default=256 << 20, metavar="SIZE",
+                   help="bytes each run moves (K/M/G suffixes; default 256M)")
+    s.add_argument("--impair", default=soak.DEFAULT_IMPAIR, metavar="SPEC",
+                   help="the impairment of the second run, as udpverbsd --impair (default %(default)s)")
+    s.add_argument("-q", "--qps", type=int, default=4, help="QP pairs (default 4)")
+    s.add_argument("-t", "--depth", type=int, default=4, help="work requests in flight per QP (default 4)")
+    s.add_argument("--min-size", type=_size, default=1, metavar="SIZE", help="smallest message (default 1)")
+    s.add_argument("--max-size", type=_size, default=1 << 20, metavar="SIZE", help="largest message (default 1M)")
+    s.add_argument("--ops", default=",".join(soak.OPS), help="the op types to mix (default %(default)s)")
+    s.add_argument("--seed", type=int, default=1, help="seed of the workload and of the impairment (default 1)")
+    s.add_argument("--stall", dest="stall_s", type=float, default=30.0, metavar="S",
+                   help="fail after S seconds without a completion (default 30)")
+    s.add_argument("--timeout", dest="timeout_s", type=float, default=1800.0, metavar="S",
+                   help="fail a run that takes more than S seconds (default 1800)")
+    s.add_argument("-m", "--mtu", type=int, default=1500, help="IP path MTU of the daemons (default 1500)")
+    s.add_argument("--json", action="store_true", help="print one JSON object per run, then the ratio")
+    _add_daemon_arg(s, "both daemons of each run")
+    _add_no_pin(s)
 
 
 def params_from_args(args: argparse.Namespace) -> PerfParams:
@@ -513,6 +550,21 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    """Run ``udpverbs soak``; returns the exit status."""
+    try:
+        params = soak.SoakParams(
+            total_bytes=args.total_bytes, impair=args.impair, qps=args.qps, depth=args.depth,
+            min_size=args.min_size, max_size=args.max_size, ops=tuple(o.strip() for o in args.ops.split(",")),
+            seed=args.seed, stall_s=args.stall_s, timeout_s=args.timeout_s, mtu=args.mtu,
+            daemon_args=tuple(daemon_args_from(args)),
+        ).validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    soak.soak(params, sys.stdout, json_out=args.json, placement=placement_from(args))
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run ``udpverbs run``; returns the job's exit status."""
     command = args.command_argv[1:] if args.command_argv[:1] == ["--"] else args.command_argv
@@ -547,6 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(args)
         if command == "keygen":
             return cmd_keygen(args)
+        if command == "soak":
+            return cmd_soak(args)
         return cmd_demo(args)
     except (UsageError, group_perf.GroupUsageError, PlotUnavailable) as e:
         print(f"udpverbs {command}: error: {e}", file=sys.stderr)

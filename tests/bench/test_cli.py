@@ -67,6 +67,8 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
         (["write_lat", "--local", "--daemon-arg=--port=5"], "--local sets --port itself"),
         (["write_lat", "--local", "--daemon-arg=--mt=9000"], "--local sets --mtu itself (-m sets the MTU)"),
         (["write_lat", "--local", "--daemon-arg=--config=/nonexistent.toml"], "a --config file could set"),
+        (["write_bw", "--local", "--daemon-arg=--impair=loss=2"], "--daemon-arg: impair loss='2': a probability"),
+        (["write_bw", "--local", "--daemon-arg=--impair=delay=5"], "give a time with its unit"),
         (["write_lat", "--peer", "127.0.0.2", "--no-pin"], "--no-pin goes with --local"),
         (["write_lat", "-I", "-1"], "-I must be between 0 and 4096"),
         (["send_bw", "-I", "4097"], "-I must be between 0 and 4096"),

@@ -134,6 +134,20 @@ def test_daemon_args_reach_both_local_daemons(capfd: pytest.CaptureFixture[str],
     assert " Daemon flags    : --log-level=INFO --no-native" in out  # the table says what it measured
 
 
+def test_any_local_test_runs_on_a_bad_network(capsys: pytest.CaptureFixture[str],
+                                              client_stats: dict[str, int]) -> None:
+    # What the README tells users: impair both local daemons' datagrams
+    # through --daemon-arg; the run completes and its banner says so.
+    rc, rows, err = _run(capsys, "write_bw", "-s", "65536", "-n", "200", "--local", "--json",
+                         "--daemon-arg=--impair=loss=0.01")
+    assert rc == 0, err
+    (row,) = rows
+    _check_row(row, ["write_bw", "-s", "65536"], BW, 200)
+    # the client's daemon sent the Writes (over 9,000 datagrams): about 1 in 100 lost, and sent again
+    assert client_stats["impair_offered"] > 9000 and client_stats["impair_lost"] > 30
+    assert client_stats["link_retransmits"] >= client_stats["impair_lost"] // 2
+
+
 @pytest.mark.parametrize("no_pin", [False, True], ids=["pinned", "no_pin"])
 def test_local_run_places_its_client_and_gives_the_cpus_back(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], client_stats: dict[str, int],
