@@ -70,7 +70,7 @@ def test_layer_imports_only_downward(layer: str, path: Path) -> None:
 DAEMON_ORDER = [
     "heap", "tables", "quota", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "peer",
     "completer", "responder", "requester", "qp",
-    "scheduler", "rxlane", "receive", "loop", "device",
+    "scheduler", "rxlane", "receive", "loop", "device", "status", "metrics",
     "qlock", "gbarrier", "groups",
     "control", "server", "cm", "__main__",
 ]
