@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Sequence, TextIO
 
-from udpverbs import launch
+from udpverbs import launch, tools
 from udpverbs.bench import group_perf, local
 from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
 from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
@@ -39,6 +39,7 @@ from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
 from udpverbs.bench.rawudp import BaselineError
 from udpverbs.bench.report import OUTPUT_UNITS, Row
 from udpverbs.bench.verbs_perf import VerbsRunError
+from udpverbs.daemon.config import version_line
 
 CONNECT_TIMEOUT_S = 10.0
 #: The demo moves at most this much per message size, to finish in about a minute.
@@ -130,13 +131,16 @@ def daemon_args_from(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf``, ``demo`` and ``run``)."""
+    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf``, ``demo``, ``run``,
+    and the tools ``devices``, ``devinfo`` and ``stat``)."""
     parser = argparse.ArgumentParser(prog="udpverbs",
                                      description="RDMA verbs over plain UDP: benchmarks, demo, job launcher")
+    parser.add_argument("--version", action="version", version=version_line("udpverbs"))
     sub = parser.add_subparsers(dest="command", required=True)
     _add_perf_parser(sub)
     _add_demo_parser(sub)
     _add_run_parser(sub)
+    tools.add_parsers(sub)
     return parser
 
 
@@ -526,8 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_perf(args)
         if command == "run":
             return cmd_run(args)
+        if command in tools.COMMANDS:
+            return tools.main(args)
         return cmd_demo(args)
-    except (UsageError, group_perf.GroupUsageError, PlotUnavailable) as e:
+    except (UsageError, group_perf.GroupUsageError, PlotUnavailable, tools.ToolUsageError) as e:
         print(f"udpverbs {command}: error: {e}", file=sys.stderr)
         return 2
     except RUN_ERRORS as e:
