@@ -415,3 +415,16 @@ def test_systemd_unit_runs_one_daemon_per_name_from_its_toml(tmp_path: Any) -> N
     proc = subprocess.run([analyze, "verify", "--man=no", f"{unit_path}"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr  # unknown keys are only warned of
+
+
+def test_docs_name_the_tools_and_every_field_they_print() -> None:
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    for tool in ("udpverbs devices", "udpverbs devinfo", "udpverbs stat --watch"):
+        assert tool in quick_start, tool
+    with open(os.path.join(root, "docs", "REFERENCE.md")) as f:
+        reference = f.read()
+    for key in sorted(DEVICE_KEYS | LIMIT_KEYS | LINK_KEYS | QP_KEYS | DEVICES_KEYS):
+        assert key in reference, key
