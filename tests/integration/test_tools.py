@@ -232,7 +232,8 @@ def test_stat_watch_gives_rates_per_second(pair: tuple[Side, Side]) -> None:
     moved = []
 
     def traffic() -> None:
-        while not done.is_set() and len(moved) < 2000:  # bounded: at most 2000 Writes
+        end = time.monotonic() + 30
+        while not done.is_set() and len(moved) < 200_000 and time.monotonic() < end:  # until the samples are taken
             write(a, b, 1)
             moved.append(1)
 
