@@ -23,6 +23,8 @@ from typing import Any
 
 import trio
 
+import udpverbs
+
 from . import config as dconfig
 from . import heap, quota
 from .cm import ConnectionManager
@@ -42,6 +44,8 @@ async def run(cfg: dict[str, Any]) -> None:
                                  link=cfg["link"], gso=cfg["gso"], native=cfg["native"],
                                  rx_dispatch_budget=cfg["rx_dispatch_budget"], quota=cfg["quota"], key=cfg["key"],
                                  impair=cfg["impair"]))
+    served = False
+    endpoint = None
     try:
         try:
             ip, port = device.bind()
@@ -50,13 +54,16 @@ async def run(cfg: dict[str, Any]) -> None:
                           " (another udpverbs daemon on this port?)") from None
         ConnectionManager(device)
         groups = GroupService(device)
+        if cfg.get("metrics") is not None:
+            endpoint = _metrics(device, *cfg["metrics"])
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 await nursery.start(serve_control, device, path)
                 await nursery.start(device.loop.run)
                 await nursery.start(groups.run)
-                log.info("udpverbsd %s: udp %s:%d, control %s, mtu %d, pid %d",
-                         cfg["name"], ip, port, path, cfg["mtu"], os.getpid())
+                log.info("udpverbsd %s: udp %s:%d, control %s, mtu %d, cc %s, pid %d, version %s", cfg["name"],
+                         ip, port, path, cfg["mtu"], cfg["cc"], os.getpid(), udpverbs.__version__)
+                served = True
                 if cfg.get("ready_fd") is not None:
                     os.write(cfg["ready_fd"], f"ready {ip} {port} {path}\n".encode())
                     os.close(cfg["ready_fd"])
@@ -66,7 +73,22 @@ async def run(cfg: dict[str, Any]) -> None:
                     nursery.cancel_scope.cancel()
                     break
     finally:
-        device.close()
+        if endpoint is not None:
+            endpoint.close()
+        device.close(report=served)  # a start that failed has nothing to report
+
+
+def _metrics(device: Device, host: str, port: int) -> Any:
+    """The Prometheus endpoint (``metrics.py``), serving.  Raises OSError when it cannot serve."""
+    try:
+        from . import metrics
+        endpoint = metrics.Endpoint(device, host, port)
+    except ImportError as e:
+        raise OSError(f"--metrics needs prometheus_client ({e}); pip install prometheus_client") from None
+    except OSError as e:
+        raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror}") from None
+    log.info("metrics on %s", endpoint.url)
+    return endpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,6 +112,7 @@ class Completer:
         it and back off, or fail its WR once ``rnr_retry`` is spent."""
         stats = self.device.stats
         stats["rnr_nack_received"] += 1
+        self.rnr_nacks_received += 1
         idx = next((i for i, e in enumerate(self.q0) if e.msn == msn), -1)
         if idx < 0 or idx >= self.q0_cursor and self.q0[idx].sent == 0:
             stats["rnr_nack_stale"] += 1

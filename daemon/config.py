@@ -16,10 +16,13 @@ Precedence: built-in defaults < TOML file (``--config``) < command-line flags.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import tomllib
 from typing import Any
+
+import udpverbs
 
 from ..transport.congestion.base import create as create_cc
 from ..transport.impair import ImpairSpec, parse_spec
@@ -108,11 +111,37 @@ def parser() -> argparse.ArgumentParser:
                    "e.g. loss=0.05,dup=0.02,reorder=0.05,corrupt=0.001,delay=200us,jitter=50us,rate=1gbit "
                    "(seeded by --seed; TOML table [impair])")
     p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
+    p.add_argument("--metrics", metavar="ADDR:PORT",
+                   help="serve Prometheus metrics on this address only, e.g. 127.0.0.1:9464 (default: off)")
+    p.add_argument("--version", action="version", version=version_line("udpverbsd"))
     return p
 
 
+def version_line(program: str) -> str:
+    """What ``--version`` prints: the program, the package's version and the control protocol's."""
+    return f"{program} {udpverbs.__version__} (control protocol {ctl.CTL_VERSION})"
+
+
+def check_metrics_addr(text: str) -> tuple[str, int]:
+    """``ADDR:PORT`` (``[ADDR]:PORT`` for IPv6) of the metrics endpoint as ``(addr, port)``.
+
+    Raises: ValueError unless ADDR is an IP address (a name could resolve
+    to more than the address meant) and PORT is 0..65535.
+    """
+    host, sep, port = str(text).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(host)
+        n = int(port)
+    except ValueError:
+        n = -1
+    if not sep or not 0 <= n <= 65535:
+        raise ValueError(f"metrics {text!r}: expected ADDR:PORT with an IP address, e.g. 127.0.0.1:9464")
+    return host, n
+
+
 _KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native",
-         "rx_dispatch_budget", "heap_keep_mb", "key_file")
+         "rx_dispatch_budget", "heap_keep_mb", "key_file", "metrics")
 
 
 def parse_flags(argv: list[str] | None) -> argparse.Namespace:
@@ -147,7 +176,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
                            "cc": "efe-host", "gso": True, "native": True, "rx_dispatch_budget": 8,
-                           "heap_keep_mb": heap.DEFAULT_KEEP_MB, "key_file": None}
+                           "heap_keep_mb": heap.DEFAULT_KEEP_MB, "key_file": None, "metrics": None}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
@@ -168,6 +197,8 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
         raise ValueError(f"rx_dispatch_budget must be a whole number, not {budget!r}")
     heap.check_keep_mb(cfg["heap_keep_mb"])
     check_mtu(cfg["mtu"])
+    if cfg["metrics"] is not None:
+        cfg["metrics"] = check_metrics_addr(cfg["metrics"])
     cfg["link"] = _settings("link", cfg, args.link)
     cfg["quota"] = Quota.from_settings(_settings("quota", cfg, args.quota))
     cfg["impair"] = impair_spec(cfg.pop("impair", None), args.impair)

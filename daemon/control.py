@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import resource
 from typing import Any
 
 import trio
@@ -32,7 +31,7 @@ import trio
 from ..wire import ctl, shm
 from ..wire.ctl import Op
 from ..wire.shm import AccessFlags, QPAttrMask as M, QPState as S, QPType, SrqAttrMask
-from . import quota, tables
+from . import quota, status, tables
 from .device import Device
 from .cq import CompChannel, CompletionQueue, SharedReceiveQueue
 from .qp import QueuePair
@@ -42,7 +41,7 @@ log = logging.getLogger("udpverbs.daemon")
 
 MAX_SGE = shm.MAX_SGE
 MAX_INLINE = shm.MAX_INLINE
-MAX_MR_SIZE = 1 << 40
+MAX_MR_SIZE = status.MAX_MR_SIZE
 
 
 class Session:
@@ -139,25 +138,24 @@ class Session:
         d = self.device
         c = d.config
         rep = ctl.encode_reply(
-            Op.HELLO, ctx_handle=id(self) & 0xFFFFFFFF, udp_port=c.port, link_mtu=c.mtu,
-            max_qp=c.max_qp, max_cq=c.max_cq, max_mr=c.max_mr, max_pd=c.max_pd, max_qp_wr=c.max_qp_wr,
-            max_cqe=c.max_cqe, max_sge=MAX_SGE, max_inline_data=MAX_INLINE, max_mr_size=MAX_MR_SIZE,
-            max_qp_rd_atom=c.max_qp_rd_atom, max_qp_init_rd_atom=c.max_qp_rd_atom,
+            Op.HELLO, ctx_handle=id(self) & 0xFFFFFFFF, udp_port=c.port, link_mtu=c.mtu, **status.device_limits(d),
             async_entries=shm.ASYNC_RING_ENTRIES, node_guid=d.node_guid, gid=d.gid, data=c.name.encode(),
         )
         return rep, [self.ctx_fd, self.doorbell, self.async_fd]
 
     def op_query_stats(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
-        stats = self.device.dump_stats()
-        # The daemon's CPU time so far, all its threads (what `udpverbs perf
-        # --cpu_util` turns into a share of one CPU over a run).  getrusage,
-        # not os.times: the latter counts in clock ticks (10 ms), as long as
-        # a whole short run.
-        t = resource.getrusage(resource.RUSAGE_SELF)
-        stats["process_cpu_user_ms"] = int(t.ru_utime * 1000)
-        stats["process_cpu_system_ms"] = int(t.ru_stime * 1000)
+        # with the daemon's CPU time so far, all its threads (what `udpverbs
+        # perf --cpu_util` turns into a share of one CPU over a run)
+        stats = status.counters(self.device)
         text = "".join(f"{k} {v}\n" for k, v in sorted(stats.items()))
         return ctl.encode_reply(Op.QUERY_STATS, count=len(stats), data=text.encode()), []
+
+    def op_query_status(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
+        """What ``udpverbs devinfo`` and ``stat`` show: one page of a section (``status.py``)."""
+        if req.section not in ctl.StatusSection._value2member_map_:
+            raise TableError(errno.EINVAL, f"no status section {req.section}")
+        nxt, data = status.page(self.device, req.section, req.start, self)
+        return ctl.encode_reply(Op.QUERY_STATUS, next=nxt, data=data), []
 
     def op_alloc_pd(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
         pd = tables.ProtectionDomain(0, self)

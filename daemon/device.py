@@ -61,6 +61,7 @@ import logging
 import os
 import random
 import secrets
+import time
 from typing import Any, Iterable
 
 import trio
@@ -138,6 +139,10 @@ class Device:
         #: wall time of the data loop's passes that found work (the rest of
         #: its time it spins or sleeps): what a run keeps the daemon busy
         self.busy_s = 0.0
+        #: when the device was made: wall clock (for people) and monotonic (for its uptime)
+        self.started = (time.time(), time.monotonic())
+        #: where the Prometheus endpoint serves, if it does (metrics.py)
+        self.metrics_url: str | None = None
         self.now = 0.0
         #: the clock every pass reads (trio's; the loop binds it without
         #: trio.current_time()'s run-context lookup)
@@ -236,11 +241,14 @@ class Device:
         is seen at the next session change."""
         self.yield_on_delivery = may_share_a_cpu(s.pid for s in self.sessions)
 
-    def close(self) -> None:
-        """Tear everything down (links ABORT, sessions closed)."""
-        log.info("stats: %s", self.dump_stats())
+    def close(self, report: bool = True) -> None:
+        """Tear everything down (links ABORT, sessions closed); ``report``:
+        log the counters and each link's state first."""
+        if report:
+            log.info("stats: %s", self.dump_stats())
         for pl in list(self.links.values()):
-            log.info("link %s:%d cwnd %.0f srtt %s", pl.addr[0], pl.addr[1], pl.link.cwnd_bytes, pl.link.srtt_s)
+            if report:
+                log.info("link %s:%d cwnd %.0f srtt %s", pl.addr[0], pl.addr[1], pl.link.cwnd_bytes, pl.link.srtt_s)
             try:
                 pl.link.close(self.now)
                 pl.flush()

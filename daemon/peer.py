@@ -94,7 +94,7 @@ class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
     __slots__ = ("host", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint", "ack_waiters",
-                 "ready", "requests", "rx_addr", "rx_port")
+                 "ready", "requests", "rx_addr", "rx_port", "tx_bytes", "rx_bytes")
 
     def __init__(self, host: PeerHost, addr: tuple[str, int], link: Link) -> None:
         self.host = host
@@ -125,6 +125,10 @@ class PeerLink:
         self.requests: list[bytearray] = []
         # payload bytes per DDP segment: link body minus envelope + tagged header
         self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
+        # UDP payload bytes sent to the peer and received from it on this
+        # link (what the operator's tools show; the link counts datagrams)
+        self.tx_bytes = 0
+        self.rx_bytes = 0
 
     def segment_size(self, total: int, stream: bool, untagged: bool = False) -> int:
         """The payload of each segment of a message of ``total`` bytes, tagged
@@ -161,6 +165,7 @@ class PeerLink:
         if d is None:
             return None
         udp.sendto(d, self.addr)
+        self.tx_bytes += len(d)
         host.stats["tx_alone"] += 1
         host.handed_over(self)
         return link.sent_alone(message, len(d), now, ack_carrier)
@@ -182,6 +187,10 @@ class PeerLink:
         else:
             udp.send_each(out, self.addr)
         udp.sent = True
+        n = 0
+        for d in out:
+            n += len(d.view) if type(d) is Burst else len(d)
+        self.tx_bytes += n
         return True
 
     def send_request(self, message: bytearray) -> None:
@@ -292,6 +301,7 @@ class PeerLink:
             udp.send_segmented([burst], self.addr)
         else:
             udp.send_each(burst.datagrams(), self.addr)
+        self.tx_bytes += len(burst.view)
         udp.sent = True
         host.stats["tx_run_alone"] += 1
         host.handed_over(self)

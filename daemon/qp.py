@@ -79,6 +79,9 @@ class QueuePair(Requester, Responder, Completer):
         self.link: PeerLink | None = None
         self.dest_qpn = 0
         self.rank = 0  # place in the device's QP table (the order in which a pass visits QPs)
+        # receiver-not-ready NACKs over the QP's life (the tools show them)
+        self.rnr_nacks_received = 0
+        self.rnr_nacks_sent = 0
         self.reset_requester()
         self.reset_responder()
 
@@ -115,7 +118,9 @@ class QueuePair(Requester, Responder, Completer):
         """Move to ERR after a protocol or local error; tell the app asynchronously."""
         if self.state == S.IBV_QPS_ERR:
             return
-        log.info("qp %d -> ERR: %s", self.qpn, reason)
+        pl = self.link
+        peer = f"{pl.addr[0]}:{pl.addr[1]} qp {self.dest_qpn}" if pl is not None else "none"
+        log.info("qp %d of pid %d -> ERR (peer %s): %s", self.qpn, self.session.pid, peer, reason)
         self.set_state(S.IBV_QPS_ERR)
         self.session.async_event(event, self.qpn)
 

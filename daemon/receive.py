@@ -159,6 +159,7 @@ class Receiver:
             if start:
                 data = data[start:]
         self.arm_link = pl
+        pl.rx_bytes += len(data)
         self.receive(pl, data, seg, now, arrived)
         touched.add(pl)
 
@@ -202,6 +203,7 @@ class Receiver:
             return 1
         self.touched.add(pl)
         self.arm_link = pl
+        pl.rx_bytes += n
         # From the armed peer: account for what the lane took, then the rest
         # as ``receive`` goes on after a lane call.
         data = None

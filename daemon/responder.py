@@ -277,6 +277,7 @@ class Responder:
             self.rx_rnr = True
             self.rx_resume_sent = False
             self.device.stats["rnr_nack_sent"] += 1
+            self.rnr_nacks_sent += 1
             code = int(self.attrs["min_rnr_timer"])
             self._send_flow(FlowType.RNR_NACK, self.rx_msn, RNR_TIMER_US[code if 0 <= code < 32 else 0])
             return False

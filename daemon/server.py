@@ -62,6 +62,7 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
     device.sessions_changed()
     device.loop.add_doorbell(sess.doorbell)
     device.loop.watch(conn.fileno())
+    log.info("client pid %d (%s) connected", pid, _command_of(pid))
     try:
         while True:
             data, anc, flags, _ = await conn.recvmsg(ctl.MAX_CTL_MESSAGE, socket.CMSG_SPACE(ctl.MAX_FDS * 4))
@@ -86,6 +87,10 @@ async def _session_task(device: Device, conn: trio.socket.SocketType) -> None:
     finally:
         device.loop.unwatch(conn.fileno())  # before the close: the fd number may be reused
         conn.close()
+        if sess.group_member is None:  # (a rank's connection lives on in the data loop)
+            left = ", ".join(f"{n} {what}" for n, what in ((len(sess.qps), "QPs"), (len(sess.cqs), "CQs"),
+                                                          (len(sess.mrs), "MRs")) if n)
+            log.info("client pid %d disconnected%s", pid, f"; destroying what it left: {left}" if left else "")
         sess.teardown()
         device.loop.wake()
 
@@ -196,6 +201,15 @@ async def _refuse_waiting(sock: trio.socket.SocketType, spare: int | None, code:
         return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _command_of(pid: int) -> str:
+    """The command name of process ``pid`` (for the log), or ``?``."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().decode(errors="replace").strip() or "?"
+    except OSError:
+        return "?"
 
 
 def _op_of(data: bytes) -> Op:

@@ -71,7 +71,7 @@ DAEMON_ORDER = [
     "heap", "tables", "quota", "clusterkey", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
     "peer",
     "completer", "responder", "requester", "qp",
-    "scheduler", "rxlane", "receive", "loop", "device",
+    "scheduler", "rxlane", "receive", "loop", "device", "status", "metrics",
     "qlock", "gbarrier", "groups",
     "control", "server", "cm", "__main__",
 ]

@@ -67,6 +67,7 @@ class Op(enum.IntEnum):
     MODIFY_SRQ = 16
     QUERY_SRQ = 17
     DESTROY_SRQ = 18
+    QUERY_STATUS = 19
     CM_LISTEN = 20
     CM_GET_REQUEST = 21
     CM_ACCEPT = 22
@@ -80,6 +81,15 @@ class Op(enum.IntEnum):
     LOCK_TRY = 43
     LOCK_RELEASE = 44
     BARRIER = 45
+
+
+class StatusSection(enum.IntEnum):
+    """What a QUERY_STATUS asks for: the device (identity, limits, counters),
+    its links to peer daemons, or its QPs; the last two come in pages."""
+
+    DEVICE = 0
+    LINKS = 1
+    QPS = 2
 
 
 class Layout:
@@ -152,6 +162,8 @@ REQUESTS: dict[Op, Layout] = {
     Op.MODIFY_SRQ: Layout("ModifySrq", "IIII", "srq_handle attr_mask max_wr srq_limit"),
     Op.QUERY_SRQ: Layout("QuerySrq", "I", "srq_handle"),
     Op.DESTROY_SRQ: Layout("DestroySrq", "I", "srq_handle"),
+    # One page of a StatusSection, from ``start`` (a link's index, a QPN).
+    Op.QUERY_STATUS: Layout("QueryStatus", "II", "section start"),
     Op.CM_LISTEN: Layout("CmListen", "HI", "port backlog"),
     Op.CM_GET_REQUEST: Layout("CmGetRequest", "II", "listener_handle timeout_ms"),
     Op.CM_ACCEPT: Layout("CmAccept", "IIII", "conn_id qp_num ord ird", tail=True),
@@ -205,6 +217,9 @@ REPLIES: dict[Op, Layout] = {
     Op.MODIFY_SRQ: _E,
     Op.QUERY_SRQ: Layout("QuerySrqRep", "III", "max_wr max_sge srq_limit"),
     Op.DESTROY_SRQ: _E,
+    # What the operator's tools show (``daemon/status.py`` has the JSON's
+    # shape): UTF-8 JSON, and where the section's next page starts (0: none).
+    Op.QUERY_STATUS: Layout("StatusRep", "I", "next", tail=True),
     Op.CM_LISTEN: Layout("CmListenRep", "I", "listener_handle"),
     Op.CM_GET_REQUEST: Layout(
         "CmRequest", "IIII16sH", "conn_id remote_qpn ord ird gid udp_port", tail=True

@@ -39,7 +39,7 @@ import os
 import sys
 from typing import Sequence, TextIO
 
-from udpverbs import launch
+from udpverbs import launch, tools
 from udpverbs.bench import group_perf, local, soak
 from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
 from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
@@ -47,6 +47,7 @@ from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
 from udpverbs.bench.rawudp import BaselineError
 from udpverbs.bench.report import OUTPUT_UNITS, Row
 from udpverbs.bench.verbs_perf import VerbsRunError
+from udpverbs.daemon.config import version_line
 
 CONNECT_TIMEOUT_S = 10.0
 #: The demo moves at most this much per message size, to finish in about a minute.
@@ -141,9 +142,11 @@ def daemon_args_from(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf``, ``demo``, ``run`` and ``keygen``)."""
+    """Return the argument parser of the ``udpverbs`` command (sub-commands ``perf``, ``demo``, ``run``,
+    ``keygen``, ``soak``, and the tools ``devices``, ``devinfo`` and ``stat``)."""
     parser = argparse.ArgumentParser(prog="udpverbs",
                                      description="RDMA verbs over plain UDP: benchmarks, demo, job launcher")
+    parser.add_argument("--version", action="version", version=version_line("udpverbs"))
     sub = parser.add_subparsers(dest="command", required=True)
     _add_perf_parser(sub)
     _add_demo_parser(sub)
@@ -151,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = sub.add_parser("keygen", help="write a new cluster key for udpverbsd --key-file (mode 0600)")
     keygen.add_argument("path", metavar="PATH", help="the key file to create (an existing file is not overwritten)")
     _add_soak_parser(sub)
+    tools.add_parsers(sub)
     return parser
 
 
@@ -601,8 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_keygen(args)
         if command == "soak":
             return cmd_soak(args)
+        if command in tools.COMMANDS:
+            return tools.main(args)
         return cmd_demo(args)
-    except (UsageError, group_perf.GroupUsageError, PlotUnavailable) as e:
+    except (UsageError, group_perf.GroupUsageError, PlotUnavailable, tools.ToolUsageError) as e:
         print(f"udpverbs {command}: error: {e}", file=sys.stderr)
         return 2
     except RUN_ERRORS as e:

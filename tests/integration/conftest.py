@@ -15,7 +15,7 @@ from udpverbs.verbs.enums import (
     IBV_QPT_RC,
 )
 
-from .daemons import DaemonProc
+from .daemons import DaemonProc, running
 
 ACCESS_ALL = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
 
@@ -23,17 +23,9 @@ ACCESS_ALL = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOT
 @pytest.fixture(scope="package")
 def daemons() -> Iterator[tuple[DaemonProc, DaemonProc]]:
     with tempfile.TemporaryDirectory(prefix="udpverbs-test-") as d:
-        a = DaemonProc("uvA", "127.0.0.2", d, seed=11)  # default congestion control (efe-host)
-        b = DaemonProc("uvB", "127.0.0.3", d, seed=12)
-        a.start()
-        try:
-            b.start()
-            try:
-                yield a, b
-            finally:
-                assert b.stop() == 0, b.log_text()
-        finally:
-            assert a.stop() == 0, a.log_text()
+        # default congestion control (efe-host)
+        with running(DaemonProc("uvA", "127.0.0.2", d, seed=11), DaemonProc("uvB", "127.0.0.3", d, seed=12)) as (a, b):
+            yield a, b
 
 
 class Side:

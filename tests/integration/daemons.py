@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 
 class DaemonProc:
@@ -94,3 +95,17 @@ class DaemonProc:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running(*procs: DaemonProc) -> Iterator[tuple[DaemonProc, ...]]:
+    """Start ``procs`` in order; stop them in reverse order, each asserted to exit 0."""
+    with contextlib.ExitStack() as stack:
+        for p in procs:
+            p.start()
+            stack.callback(_stopped_cleanly, p)
+        yield procs
+
+
+def _stopped_cleanly(p: DaemonProc) -> None:
+    assert p.stop() == 0, p.log_text()

@@ -1,0 +1,168 @@
+"""What the operator's tools see of a running daemon: QUERY_STATUS's answers.
+
+Theory of operation
+-------------------
+``udpverbs devices``, ``devinfo`` and ``stat`` ask the daemon over its
+control socket (``wire/ctl.py``, ``Op.QUERY_STATUS``), and the Prometheus
+endpoint (``metrics.py``) asks the same functions.  Each answer is read
+from the tables the data loop keeps anyway (the links' and QPs' counters,
+the rings' indices): nothing here is counted on the data path for the
+tools' sake but the bytes each link moved (``PeerLink.tx_bytes`` /
+``rx_bytes``) and a QP's RNR NACKs.  A query runs between two passes of the
+data loop, so it must stay cheap: the links and QPs come in pages
+(``LINKS_PER_PAGE``, ``QPS_PER_PAGE``), one page per request.
+
+The answers are JSON objects (``ctl.StatusSection``):
+
+``DEVICE``
+    ``name version ctl_version pid state addr udp_port gid node_guid mtu cc
+    gso native started uptime_s clients qps links cqs mrs pds metrics``
+    (the Prometheus endpoint's URL, or null), ``limits``
+    (``max_qp max_cq max_mr max_pd max_qp_wr max_cqe max_sge
+    max_inline_data max_mr_size max_msg_sz max_qp_rd_atom
+    max_qp_init_rd_atom atomic_cap``) and ``counters`` (QUERY_STATS's).
+``LINKS``
+    ``{"links": [...]}``, each ``peer addr port state qps datagrams_sent
+    datagrams_received bytes_sent bytes_received retransmits duplicates
+    bad_crc srtt_us min_rtt_us rto_ms cwnd_bytes pacing_Bps
+    bytes_in_flight`` and ``counters`` (the link's own, ``LinkStats``).
+``QPS``
+    ``{"qps": [...]}``, each ``qpn pid state peer dest_qp_num sq_posted
+    sq_completed rq_posted rq_completed srq outstanding rnr_nacks_received
+    rnr_nacks_sent``.  The posted and completed counts are the work
+    queues' ring indices, so they wrap at 2**32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from typing import Any, Callable
+
+import udpverbs
+
+from ..wire import ctl, shm
+from ..wire.shm import QPState
+from .device import Device
+
+#: links and QPs one page carries: each page is built between two passes of
+#: the data loop, so it must take well under a millisecond, and its JSON
+#: (at most about 700 bytes a link, 400 a QP) must fit a control message
+LINKS_PER_PAGE = 32
+QPS_PER_PAGE = 64
+#: the largest region (``max_mr_size``)
+MAX_MR_SIZE = 1 << 40
+_U32 = 0xFFFFFFFF
+
+
+def device_limits(device: Device) -> dict[str, int]:
+    """What the device allows (``ibv_query_device``'s limits), as HELLO tells them."""
+    c = device.config
+    return {"max_qp": c.max_qp, "max_cq": c.max_cq, "max_mr": c.max_mr, "max_pd": c.max_pd,
+            "max_qp_wr": c.max_qp_wr, "max_cqe": c.max_cqe, "max_sge": shm.MAX_SGE,
+            "max_inline_data": shm.MAX_INLINE, "max_mr_size": MAX_MR_SIZE,
+            "max_qp_rd_atom": c.max_qp_rd_atom, "max_qp_init_rd_atom": c.max_qp_rd_atom}
+
+
+def counters(device: Device) -> dict[str, int]:
+    """The device's counters (QUERY_STATS), with the process's CPU time so far.
+
+    getrusage, not os.times: the latter counts in clock ticks (10 ms), as
+    long as a whole short run."""
+    stats = device.dump_stats()
+    t = resource.getrusage(resource.RUSAGE_SELF)
+    stats["process_cpu_user_ms"] = int(t.ru_utime * 1000)
+    stats["process_cpu_system_ms"] = int(t.ru_stime * 1000)
+    return stats
+
+
+def device_report(device: Device, asker: Any = None) -> dict[str, Any]:
+    """The DEVICE section (see the module docstring); ``clients`` leaves out
+    ``asker``, the session asking (a tool is no client worth counting)."""
+    c = device.config
+    fatal = any(s.fatal_sent for s in device.sessions)
+    wall, mono = device.started
+    limits: dict[str, Any] = {**device_limits(device), "max_msg_sz": shm.MAX_MSG_SZ,
+                              "atomic_cap": shm.AtomicCap.IBV_ATOMIC_HCA.name}
+    return {
+        "name": c.name, "version": udpverbs.__version__, "ctl_version": ctl.CTL_VERSION, "pid": os.getpid(),
+        "state": "stopping" if fatal else "serving", "addr": c.addr, "udp_port": c.port,
+        "gid": ":".join(device.gid.hex()[i:i + 4] for i in range(0, 32, 4)), "node_guid": f"{device.node_guid:016x}",
+        "mtu": c.mtu, "cc": c.cc, "gso": bool(device.udp.gso), "native": device.native is not None,
+        "started": wall, "uptime_s": round(time.monotonic() - mono, 3),
+        "clients": len(device.sessions - {asker}), "qps": len(device.qps), "links": len(device.links),
+        "cqs": len(device.cqs), "mrs": len(device.mrs), "pds": len(device.pds), "metrics": device.metrics_url,
+        "limits": limits, "counters": counters(device),
+    }
+
+
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None or seconds == float("inf") else round(seconds * 1e6, 1)
+
+
+def link_report(pl: Any) -> dict[str, Any]:
+    """One link to a peer daemon (see the module docstring)."""
+    link = pl.link
+    st = link.stats
+    rate = link.pacer.rate_Bps
+    return {
+        "peer": f"{pl.addr[0]}:{pl.addr[1]}", "addr": pl.addr[0], "port": pl.addr[1], "state": link.state.name,
+        "qps": len(pl.qps), "datagrams_sent": st.datagrams_sent, "datagrams_received": st.datagrams_received,
+        "bytes_sent": pl.tx_bytes, "bytes_received": pl.rx_bytes, "retransmits": st.retransmits,
+        "duplicates": st.duplicate, "bad_crc": st.bad_crc, "srtt_us": _us(link.srtt_s),
+        "min_rtt_us": _us(link.rtt.min_s), "rto_ms": round(link.rtt.rto_s * 1e3, 3),
+        "cwnd_bytes": int(link.cwnd_bytes), "pacing_Bps": None if rate == float("inf") else int(rate),
+        "bytes_in_flight": link.bytes_in_flight, "counters": st.as_dict(),
+    }
+
+
+def qp_report(qp: Any) -> dict[str, Any]:
+    """One QP (see the module docstring)."""
+    sq, rq = qp.sq, qp.rq
+    own_rq = qp.srq is None
+    receiving = 1 if own_rq and qp.rx_recv is not None else 0  # taken off the ring, not yet complete
+    pl = qp.link
+    return {
+        "qpn": qp.qpn, "pid": qp.session.pid, "state": QPState(qp.state).name,
+        "peer": None if pl is None else f"{pl.addr[0]}:{pl.addr[1]}", "dest_qp_num": qp.dest_qpn,
+        "sq_posted": int(sq.hdr.producer), "sq_completed": (sq.cons - len(qp.outstanding)) & _U32,
+        "rq_posted": int(rq.hdr.producer) if own_rq else None,
+        "rq_completed": (rq.cons - receiving) & _U32 if own_rq else None,
+        "srq": not own_rq, "outstanding": len(qp.outstanding),
+        "rnr_nacks_received": qp.rnr_nacks_received, "rnr_nacks_sent": qp.rnr_nacks_sent,
+    }
+
+
+def _page(key: str, items: list[Any], report: Callable[[Any], dict[str, Any]], per_page: int,
+          cursor: Callable[[Any], int]) -> tuple[int, bytes]:
+    """``{key: [...]}`` of the first ``per_page`` of ``items``, and the
+    cursor of the first left out (0: none)."""
+    page = [report(item) for item in items[:per_page]]
+    nxt = cursor(items[per_page]) if len(items) > per_page else 0
+    return nxt, json.dumps({key: page}, separators=(",", ":")).encode()
+
+
+def page(device: Device, section: int, start: int, asker: Any = None) -> tuple[int, bytes]:
+    """The JSON of ``section`` from ``start`` and where its next page starts
+    (0: none), asked by the session ``asker``.
+
+    Links are numbered from 1 in address order (``start`` 0 or 1: the first),
+    QPs by QPN (``start``: the first QPN looked at).
+
+    Raises:
+        ValueError: an unknown section.
+    """
+    if section == ctl.StatusSection.DEVICE:
+        return 0, json.dumps(device_report(device, asker), separators=(",", ":")).encode()
+    if section == ctl.StatusSection.LINKS:
+        links = sorted(device.links.items())
+        first = max(start, 1)
+        index = {addr: i for i, (addr, _) in enumerate(links, 1)}
+        return _page("links", [pl for _, pl in links[first - 1:]], link_report, LINKS_PER_PAGE,
+                     lambda pl: index[pl.addr])
+    if section == ctl.StatusSection.QPS:
+        qps = sorted(qpn for qpn in device.qps if qpn >= start)
+        return _page("qps", [device.qps[n] for n in qps], qp_report, QPS_PER_PAGE, lambda qp: qp.qpn)
+    raise ValueError(f"no status section {section}")
