@@ -242,6 +242,8 @@ def _pack_sges(ring: shm.Ring, buf: memoryview, off: int, sg: list[Any], n: int)
 
 def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> None:
     """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ) and ring the doorbell once."""
+    if ctx._dead:
+        ctx._check_alive("post_recv")
     posted = 0
     buf = rq.buf
     head, sg_offset = shm.RECV_WQE_HEAD, shm.RECV_WQE_SG_OFFSET
@@ -253,6 +255,7 @@ def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> N
             if n > max_sge:
                 raise VerbsError(f"num_sge {n} > max_recv_sge {max_sge}", errno.EINVAL)
             if rq.free() == 0:
+                ctx._check_alive("post_recv")
                 raise VerbsError("receive queue full", errno.ENOMEM)
             off = rq.next_slot_offset()
             wr_id = wr.wr_id & _U64
@@ -377,6 +380,8 @@ class QP(Resource):
         self._check_open()
         if self.qp_state in _NOT_SENDABLE:
             raise VerbsError(f"post_send on a QP in {S(self.qp_state).name}", errno.EINVAL)
+        if self.ctx._dead:
+            self.ctx._check_alive("post_send")
         sq = self._sq
         buf = sq.buf
         head, sg_offset = shm.SEND_WQE_HEAD, shm.SEND_WQE_SG_OFFSET
@@ -388,6 +393,7 @@ class QP(Resource):
                 if n > len(wr.sg):
                     raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
                 if sq.free() == 0:
+                    self.ctx._check_alive("post_send")  # a daemon that is gone takes nothing from the ring
                     raise VerbsError("send queue full", errno.ENOMEM)
                 off = sq.next_slot_offset()
                 inline = int(wr.send_flags) & _SEND_INLINE
