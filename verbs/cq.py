@@ -148,6 +148,8 @@ class CompChannel(Resource):
 class CQ(Resource):
     """A completion queue (``CQ(ctx, cqe, cq_context=None, channel=None, comp_vector=0)``)."""
 
+    _empty_polls = 0  # empty polls since poll last looked whether the daemon is gone
+
     def __init__(self, ctx: Context, cqe: int, cq_context: Any = None, channel: CompChannel | None = None,
                  comp_vector: int = 0) -> None:
         super().__init__()
@@ -169,7 +171,6 @@ class CQ(Resource):
         self.channel = channel
         self.comp_vector = comp_vector
         self._qps: list[Any] = []
-        self._empty_polls = 0
         if channel is not None:
             channel.cqs.append(self)
         ctx._adopt(self)
