@@ -446,9 +446,12 @@ class Link(Handshake, Builder):
             # ends any back-off (§5.7) and the consecutive-RTO count.
             self._rto_backoff = 1.0
             self._consecutive_rto = 0
-            self._rto_deadline = now + self.rtt.rto_s if self._rto_needed() else None
-        elif not self._rto_needed():
-            self._rto_deadline = None
+            # The timer runs on while data is sent and unacknowledged, even
+            # if all of it was SACKed: only its expiry ends that wait.
+            self._rto_deadline = (now + self.rtt.rto_s if rec.has_inflight()
+                                  or snd_nxt > cum and not rec.retransmission_pending() else None)
+        elif not (rec.has_inflight() or snd_nxt > una and not rec.retransmission_pending()):
+            self._rto_deadline = None  # a retransmission is due: it starts the timer again as it leaves
         return True
 
     def _sack_ranges(self, sack: tuple[tuple[int, int], ...], una: int, cum: int,
@@ -471,13 +474,6 @@ class Link(Handshake, Builder):
                 return None
             out.append((s, e))
         return out
-
-    def _rto_needed(self) -> bool:
-        """Whether the retransmission timer must run after an ACK: data in
-        flight, or data sent and not acknowledged of which nothing waits to
-        be retransmitted (all of it SACKed): only the timer ends that wait."""
-        rec = self.recovery
-        return rec.has_inflight() or self._snd_nxt > rec.una and not rec.retransmission_pending()
 
     # --- the receive side's outputs -----------------------------------------
 
