@@ -134,6 +134,9 @@ class Device:
         self.qps = QPTable()
         self._next_qpn = 1
         self.links: dict[tuple[str, int], PeerLink] = {}
+        #: the counters of links that ended, so that the device's ``link_*``
+        #: totals never go backwards when a link is replaced
+        self.ended_links: collections.Counter[str] = collections.Counter()
         self.sessions: set[Any] = set()
         self.stats: collections.Counter[str] = collections.Counter()
         #: wall time of the data loop's passes that found work (the rest of
@@ -354,6 +357,7 @@ class Device:
         pl.failed_reason = reason
         if self.links.get(pl.addr) is pl:
             del self.links[pl.addr]
+            self._keep_link_totals(pl)
         for qp in list(pl.qps):
             self.qp_changed(qp)
             qp.fail_oldest(pl.link.acked)  # the retry budget is gone
@@ -362,6 +366,12 @@ class Device:
             self.cm.on_link_failed(pl)
         if self.groups is not None:
             self.groups.on_link_failed(pl)
+
+    def _keep_link_totals(self, pl: PeerLink) -> None:
+        ended = self.ended_links
+        ended.update({f"link_{k}": v for k, v in pl.link.stats.as_dict().items()})
+        if pl.link.framed_datagrams:
+            ended["tx_native_datagrams"] += pl.link.framed_datagrams
 
     # -- the data path ----------------------------------------------------------
     def poll_once(self) -> bool:
@@ -497,11 +507,14 @@ class Device:
         return self.scheduler.deadline(t)
 
     def dump_stats(self) -> dict[str, int]:
-        """The device's counters, with the data loop's busy time and every link's counters summed."""
+        """The device's counters, with the data loop's busy time and every
+        link's counters summed, those of links that ended included."""
         out = dict(self.stats)
         out["data_busy_us"] = int(self.busy_s * 1e6)
         if self.impair is not None:
             out.update(self.impair.counters())
+        for k, v in self.ended_links.items():
+            out[k] = out.get(k, 0) + v
         for pl in self.links.values():
             if pl.link.framed_datagrams:
                 out["tx_native_datagrams"] = out.get("tx_native_datagrams", 0) + pl.link.framed_datagrams

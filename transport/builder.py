@@ -163,7 +163,7 @@ class Builder:
     _last_rx_ts: int
     _last_rx_time: float
     _rto_deadline: float | None
-    _rto_backoff: int
+    _rto_backoff: float
 
     def __init__(self, framer: Any) -> None:
         self._framer = framer
@@ -178,6 +178,7 @@ class Builder:
         self._want_ack_now = False
         self._poor_carrier = False  # a message queued with ack_carrier=False has not left yet
         self._pace_deadline: float | None = None
+        self._persist = False  # the retransmission timer runs as the persist timer (a closed window)
         # Not limited by the window when we run out of data or of the peer's
         # window with the window less than half used (RFC 7661): then ACKs
         # must not grow it, or an idle-ish link accumulates a window it
@@ -255,10 +256,11 @@ class Builder:
             limit = rec.una + self.peer_rwnd  # the peer's receive window
         cwnd, pacer = self.cc.cwnd_bytes, self.pacer
         if not lost and snd_nxt >= limit or rec.bytes_in_flight >= cwnd or now < pacer.next_send_s:
-            # Nothing waits, or nothing may leave: skip building headers (the
-            # SACK blocks are the costly part) just to find that out.
+            # Nothing waits, or nothing may leave: build no headers (SACK blocks cost most) to find that out.
             if (lost or snd_nxt < limit) and rec.bytes_in_flight < cwnd:
                 self._pace_deadline = pacer.next_send_s
+            elif not lost and limit <= snd_nxt < self._next_n and self._rto_deadline is None:
+                self._arm_persist(now)  # the peer's window holds back all we have queued
             self._cwnd_limited = rec.bytes_in_flight * 2 >= cwnd
             return 0
         ack, rwnd, sack = self.receiver.feedback()
@@ -325,6 +327,15 @@ class Builder:
         self._data_sent(sent, sent_bytes, limited, poor, now)
         return sent
 
+    def _arm_persist(self, now: float) -> None:
+        """The persist timer: the retransmission timer, run while the peer's
+        closed window holds back all we have queued and nothing is in
+        flight.  Its expiries probe the window and count against the
+        retransmission budget (``Link._on_rto``), so a window that stays
+        shut fails the link as unacknowledged data would."""
+        self._persist = True
+        self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff
+
     def _data_sent(self, count: int, nbytes: int, limited: bool, poor_carrier: bool, now: float) -> None:
         """``count`` DATA packets of ``nbytes`` in all left, carrying our
         ACK (``limited``: the congestion window held more back;
@@ -336,7 +347,8 @@ class Builder:
         self._cwnd_limited = limited or self.recovery.bytes_in_flight * 2 >= cc.cwnd_bytes
         self.stats.data_sent += count
         self.receiver.ack_carried(now, poor_carrier)
-        if self._rto_deadline is None:
+        if self._rto_deadline is None or self._persist:  # (the persist timer ends: data is in flight)
+            self._persist = False
             self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff  # RFC 6298 §5.1
 
     # --- framing ------------------------------------------------------------

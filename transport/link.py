@@ -60,10 +60,24 @@ RTT sample.  A sample is taken from an ACK that newly acknowledges data
 (RFC 7323 §4), so idle-time echoes do not pollute it.
 
 Loss recovery (``recovery.py``): SACK + transmission-id threshold for fast
-retransmit, RFC 6298 RTO with exponential back-off; ``max_retransmits``
-consecutive RTOs without progress fail the link.  Congestion control
+retransmit, RFC 6298 RTO with exponential back-off up to ``max_rto_s``.
+The timer runs whenever data waits on the peer: sent and not cumulatively
+acknowledged (SACKed or not), or held back by a closed window (then it is
+the persist timer, and each expiry probes the window).  ``max_retransmits``
+expiries in a row without the cumulative ACK moving fail the link
+(``retransmit_budget``), whatever else the peer sends: a peer that talks
+but acknowledges nothing fails like a silent one, within
+``(max_retransmits + 1) * max_rto_s``.  Congestion control
 (``congestion/``) gives ``cwnd_bytes`` and a pacing rate (``pacer.py``); the
 window grows only while it is what limits the sender (RFC 7661).
+
+Forged packets: the tag is in the clear, so whoever saw one datagram can
+send packets that pass the tag check.  A packet whose sequence number lies
+far from the receive window, whose ACK field acknowledges data we never
+sent, or whose SACK blocks lie outside what is in flight cannot be the
+peer's: it is dropped whole and counted (``bad_seq``, ``bad_ack``,
+``bad_sack``; RFC 5961's checks), its timestamp and window unread.  An RTT
+sample longer than ``max_rto_s`` is not believed either.
 
 Liveness: after ``keepalive_idle_s`` without hearing from the peer we send
 KEEPALIVE (answered by an immediate ACK), again every ``keepalive_idle_s``;
@@ -92,6 +106,12 @@ __all__ = ["Burst", "Link", "LinkClosed", "LinkConfig", "LinkEvent", "LinkFailed
 _U32 = 0xFFFFFFFF
 _HALF = 1 << 31
 _FULL = 1 << 32
+#: how far (in messages) from our receive window a sequence number, or
+#: below our oldest unacknowledged message an ACK field, may lie and still
+#: come from the peer: the largest window a header can advertise.  Farther
+#: is forged or corrupt.
+_SLACK = 1 << 16
+_SLACK_SPAN = 2 * _SLACK
 _DATA = wl.PacketType.DATA
 _INIT = wl.PacketType.INIT
 _INIT_ACK = wl.PacketType.INIT_ACK
@@ -147,9 +167,10 @@ class Link(Handshake, Builder):
         # the sender's timers and what the peer told us
         self.peer_rwnd = 0
         self._rto_deadline: float | None = None
-        self._rto_backoff = 1
+        self._rto_backoff = 1.0
         self._consecutive_rto = 0
         self._last_ack_field = -1  # the ack field last processed (fast path)
+        self._max_rtt_us = min(int(config.max_rto_s * 1e6), _HALF - 1)  # the longest RTT sample believed
         # timestamps: what the next echo returns (the echo rule)
         self._last_rx_ts = 0
         self._last_rx_time = 0.0
@@ -278,22 +299,32 @@ class Link(Handshake, Builder):
         if ptype == _COOKIE:
             self._cookie_received(body, now)
             return
-        if self._claim is not None:
-            self._claim = None  # the old association answered: no restart
-        if state != LinkState.ESTABLISHED:
-            if state == LinkState.INIT_RECEIVED:
-                self._establish(now)  # the peer used our tag: it knows us
-            else:
-                stats.unexpected += 1
-                return
+        if state != LinkState.ESTABLISHED and state != LinkState.INIT_RECEIVED:
+            stats.unexpected += 1
+            return
+        # The tag is in the clear: whoever saw one datagram can forge the
+        # rest.  A sequence number far from our receive window, or an ACK
+        # field for data we never sent, cannot come from the peer, so the
+        # packet is dropped before any of it is believed (RFC 5961 §5).
+        rx = self.receiver
+        if (h.seq - rx.peer_isn - rx.rcv_nxt + _SLACK) & _U32 >= _SLACK_SPAN:
+            stats.bad_seq += 1
+            return
         if ptype == _ABORT:
+            if state == LinkState.INIT_RECEIVED:
+                self._establish(now)
             self._fail("abort_received")
             return
+        if not self._process_ack(h.ack, h.rwnd, h.ts_echo_us, h.sack, now):
+            return
+        if state == LinkState.INIT_RECEIVED:
+            self._establish(now)  # the peer used our tag: it knows us
+        if self._claim is not None:
+            self._claim = None  # the old association answered: no restart
         # _heard, written out: every datagram's path
         self._last_heard = now
         self._last_rx_ts = h.ts_us
         self._last_rx_time = self._arrived
-        self._process_ack(h.ack, h.rwnd, h.ts_echo_us, h.sack, now)
         if ptype == _DATA:
             self.receiver.data_received(h.seq, h.flags, body, now)
         elif ptype == _KEEPALIVE:
@@ -328,11 +359,13 @@ class Link(Handshake, Builder):
         stats = self.stats
         stats.datagrams_received += count
         stats.data_received += count
-        self._heard(last_ts_us, now)
-        self._process_ack(ack, rwnd, ts_echo_us, (), now)
-        if count > 1:
-            # later packets repeat the ACK field: the fast case of _process_ack
-            self.peer_rwnd = last_rwnd
+        # (the owner has taken the packets in; with an ACK field we never
+        # sent, their timestamps and windows are not believed)
+        if self._process_ack(ack, rwnd, ts_echo_us, (), now):
+            self._heard(last_ts_us, now)
+            if count > 1:
+                # later packets repeat the ACK field: the fast case of _process_ack
+                self.peer_rwnd = last_rwnd
         self.receiver.run_received(count, flags_any, now)
 
     def _heard(self, ts_us: int, now: float) -> None:
@@ -345,52 +378,57 @@ class Link(Handshake, Builder):
         """Feed the RTO estimator the round trip up to ``now``; return the
         congestion signal's sample, which ends at arrival (see datagram_received)."""
         d = (int(now * 1e6) - echo) & _U32
-        if d >= _HALF:
+        if d > self._max_rtt_us:
+            # An echo from the future, or a round trip the retransmission
+            # timer would have outlasted: forged (a wild timestamp the peer
+            # echoed), or a host that stopped.  Believed, it would stall the
+            # pacer for as long as it claims.
             return None
         self.rtt.update(d * 1e-6)
         path = (int(self._arrived * 1e6) - echo) & _U32
         return path * 1e-6 if path <= d else d * 1e-6
 
     def _process_ack(self, ack: int, rwnd: int, ts_echo_us: int, sack: tuple[tuple[int, int], ...],
-                     now: float) -> None:
+                     now: float) -> bool:
         """The ACK fields of a received packet (taken apart by the caller: the
-        compiled lane's runs have no header object to pass)."""
+        compiled lane's runs have no header object to pass).  Returns False,
+        having counted it, if they cannot be the peer's: the caller drops
+        the packet."""
         if ack == self._last_ack_field and not sack and self.rtt.srtt_s is not None:
             # The common case on the receiving side of a bulk transfer: the
             # peer's ACK field has not moved, and nothing is SACKed.
             self.peer_rwnd = rwnd
-            return
-        self._last_ack_field = ack
+            return True
         rec = self.recovery
         una = rec.una
         base = self.isn + una
-        cum = una + ((ack - base) & _U32)
         snd_nxt = self._snd_nxt
-        if cum > snd_nxt:
-            d = (ack - base) & _U32
-            if d >= _HALF:
-                cum = una  # an old ACK, reordered: nothing new
-            else:
-                self.stats.bad_ack += 1
-                return
+        d = (ack - base) & _U32
+        if d <= snd_nxt - una:
+            cum = una + d
+        elif d >= _FULL - _SLACK:
+            cum = una  # an old ACK, reordered: nothing new
+        else:
+            self.stats.bad_ack += 1  # data we never sent (RFC 5961 §5.2)
+            return False
+        sacks: list[tuple[int, int]] | None = []
+        if sack:
+            sacks = self._sack_ranges(sack, una, cum, snd_nxt)
+            if sacks is None:
+                self.stats.bad_sack += 1
+                return False
+        self._last_ack_field = ack
         self.peer_rwnd = rwnd
-        sacks: list[tuple[int, int]] = []
-        if sack:  # RFC 2018 §3: blocks above the cumulative ACK, within what we sent
-            for s, e in sack:
-                ds = (s - base) & _U32
-                de = (e - base) & _U32
-                if ds < de <= snd_nxt - una:
-                    sacks.append((una + ds, una + de))
         if cum == una and not sacks:
             if self.rtt.srtt_s is None:
                 s = self._rtt_sample(ts_echo_us, now)  # the passive opener's first sample
                 if s is not None:
                     self.cc.on_packets_acked(0, s, now)
-            return
+            return True
         nlost = len(rec.lost)
         acked, lost = rec.on_ack(cum, sacks)
         if not acked and not lost:
-            return
+            return True
         rtt_s = None
         if acked:
             rtt_s = self._rtt_sample(ts_echo_us, now)
@@ -406,11 +444,36 @@ class Link(Handshake, Builder):
         if cum > una:
             # RFC 6298 §5.3: restart the timer on new cumulative ACK; progress
             # ends any back-off (§5.7) and the consecutive-RTO count.
-            self._rto_backoff = 1
+            self._rto_backoff = 1.0
             self._consecutive_rto = 0
-            self._rto_deadline = now + self.rtt.rto_s if rec.has_inflight() else None
-        elif not rec.has_inflight():
-            self._rto_deadline = None
+            # The timer runs on while data is sent and unacknowledged, even
+            # if all of it was SACKed: only its expiry ends that wait.
+            self._rto_deadline = (now + self.rtt.rto_s if rec.has_inflight()
+                                  or snd_nxt > cum and not rec.retransmission_pending() else None)
+        elif not (rec.has_inflight() or snd_nxt > una and not rec.retransmission_pending()):
+            self._rto_deadline = None  # a retransmission is due: it starts the timer again as it leaves
+        return True
+
+    def _sack_ranges(self, sack: tuple[tuple[int, int], ...], una: int, cum: int,
+                     snd_nxt: int) -> list[tuple[int, int]] | None:
+        """The SACK blocks as ranges ``[start, end)`` of message numbers,
+        leaving out those wholly below the cumulative ACK ``cum`` (an old
+        ACK's, reordered: old news).  None if a block cannot be the peer's:
+        empty, beyond what we sent (``snd_nxt``), or holding the message the
+        cumulative ACK says is missing (RFC 2018 §3: blocks lie above it)."""
+        base = self.isn + una
+        out: list[tuple[int, int]] = []
+        for s, e in sack:
+            s = una + ((s - base + _HALF) & _U32) - _HALF  # signed: an old block may lie below una
+            e = una + ((e - base + _HALF) & _U32) - _HALF
+            if not una - _SLACK <= s < e <= snd_nxt:
+                return None
+            if e <= cum:
+                continue
+            if s <= cum:
+                return None
+            out.append((s, e))
+        return out
 
     # --- the receive side's outputs -----------------------------------------
 
@@ -576,16 +639,35 @@ class Link(Handshake, Builder):
             self._on_rto(now)
 
     def _on_rto(self, now: float) -> None:
+        """The retransmission timer expired: the cumulative ACK has not moved
+        for an RTO while data waited on the peer.  ``max_retransmits``
+        expiries in a row fail the link, whatever the peer says meanwhile: a
+        peer that answers but acknowledges nothing is no better than a
+        silent one."""
         self._rto_deadline = None
+        rtt = self.rtt
+        if self.recovery.una >= self._next_n:
+            return  # nothing waits on the peer after all
         if self._consecutive_rto >= self.config.max_retransmits:
             self._fail("retransmit_budget")
             return
         self._consecutive_rto += 1
-        self._rto_backoff *= 2  # RFC 6298 §5.5
+        # RFC 6298 §5.5, up to max_rto_s (§2.5 allows a maximum): the budget
+        # then lasts at most (max_retransmits + 1) * max_rto_s.
+        backoff = self._rto_backoff * 2
+        self._rto_backoff = backoff if rtt.rto_s * backoff <= rtt.max_rto_s else max(1.0, rtt.max_rto_s / rtt.rto_s)
         self.stats.rto_count += 1
-        self.recovery.on_rto()
+        if not self.recovery.on_rto():
+            # Nothing to resend: the peer's closed window holds our data back
+            # (the persist timer).  Ask for the window: the answer to a
+            # KEEPALIVE carries it (RFC 9293 §3.8.6.1's probe, without data).
+            self._persist = True
+            self._rto_deadline = now + rtt.rto_s * self._rto_backoff
+            self._out.append(self._control(_KEEPALIVE, _ACK_NOW, now))
+            self.stats.keepalives_sent += 1
+            return
         self.cc.on_rto(now)
-        self.pacer.rate_Bps = self.cc.pacing_rate_Bps(self.rtt.srtt_s)
+        self.pacer.rate_Bps = self.cc.pacing_rate_Bps(rtt.srtt_s)
         self.pacer.next_send_s = -INF  # the retransmission leaves at once (§5.4)
 
     # --- events -------------------------------------------------------------

@@ -71,7 +71,11 @@ class LinkConfig:
     initial_rto_s: float = 0.05
     min_rto_s: float = 0.004
     max_rto_s: float = 2.0
-    #: consecutive RTOs without progress before LinkFailed("retransmit_budget")
+    #: retransmission timeouts in a row without the cumulative ACK moving
+    #: before LinkFailed("retransmit_budget"); each waits the RTO, doubled
+    #: every time and at most ``max_rto_s``.  The timer runs whenever data
+    #: waits on the peer: sent and unacknowledged, or held back by its
+    #: closed window (then each timeout probes the window).
     max_retransmits: int = 10
     #: INIT / INIT_ACK retransmissions before LinkFailed("handshake_timeout")
     max_init_retransmits: int = 8
@@ -105,7 +109,9 @@ class LinkStats:
     unexpected: int = 0  #: valid packet that does not fit the state (e.g. after failure)
     duplicate: int = 0
     out_of_window: int = 0
-    bad_ack: int = 0  #: ACK for data never sent
+    bad_ack: int = 0  #: ACK for data never sent (the packet is dropped)
+    bad_seq: int = 0  #: sequence number far outside the receive window (the packet is dropped)
+    bad_sack: int = 0  #: SACK block outside what is in flight (the packet is dropped)
     bad_init: int = 0  #: INIT/INIT_ACK inconsistent with the peer we know
     retransmits: int = 0
     fast_retransmits: int = 0  #: packets declared lost from SACK information

@@ -380,17 +380,34 @@ class Recovery:
 
     def on_rto(self) -> int:
         """Declare everything in flight lost (RFC 6298 §5.4 onwards, with SACK:
-        resend every un-SACKed packet).  Returns the number of packets."""
+        resend every un-SACKed packet).  Returns the number of packets.
+
+        If the oldest unacknowledged message is one the peer reported by
+        SACK, its reports are not to be believed (a receiver never SACKs the
+        message its cumulative ACK waits for; a forged block does): every
+        SACKed message is resent too (RFC 2018 §8, the sender's answer to a
+        receiver that reneges)."""
         pending = set(self.inflight)
         for n0, n1, *_ in self._spans:
             pending.update(range(n0, n1))
-        pending.update(n for n in self.lost if n >= self.una and n not in self.sacked)
+        sacked = self.sacked
+        if self.una in sacked:
+            pending.update(sacked)
+            sacked.clear()
+            self._sack_from_start.clear()
+            self._sack_from_end.clear()
+        pending.update(n for n in self.lost if n >= self.una and n not in sacked)
         self.lost = deque(sorted(pending))
         self.inflight.clear()
         self._spans.clear()
         self._order.clear()
         self.bytes_in_flight = 0
         return len(pending)
+
+    def retransmission_pending(self) -> bool:
+        """True if a message declared lost still waits to be resent."""
+        una, sacked, inflight = self.una, self.sacked, self.inflight
+        return any(n >= una and n not in sacked and n not in inflight for n in self.lost)
 
     def next_lost(self) -> int | None:
         """Pop the oldest message still needing a retransmission, or None.

@@ -36,6 +36,8 @@ from .errors import UserError, VerbsError
 #: Pass ``spin_s`` to ``wait`` where cores are to spare.
 SPIN_S = 0.0
 RECHECK_S = 0.01  #: bounded sleep: covers a wake-up lost to store/load reordering
+#: empty polls in a row after which ``poll`` looks whether the daemon is gone
+EMPTY_POLLS = 1024
 
 
 class WC:
@@ -114,6 +116,8 @@ class CompChannel(Resource):
             r, _, _ = select.select([self.fd], [], [], left)
             if r:
                 _drain_eventfd(self.fd)
+            else:
+                self.ctx._check_alive("get_cq_event")  # a quiet while: is the daemon still there?
 
     async def get_cq_event_async(self, expected_cq: "CQ | None" = None, timeout: float | None = None) -> "CQ":
         """trio flavour of ``get_cq_event`` (cancellable; ``timeout`` raises trio.TooSlowError)."""
@@ -125,9 +129,11 @@ class CompChannel(Resource):
                 cq = self._fired(expected_cq)
                 if cq is not None:
                     return cq
-                with trio.move_on_after(RECHECK_S * 10):
+                with trio.move_on_after(RECHECK_S * 10) as quiet:
                     await trio.lowlevel.wait_readable(self.fd)
                     _drain_eventfd(self.fd)
+                if quiet.cancelled_caught:
+                    self.ctx._check_alive("get_cq_event_async")
 
     def _release(self) -> None:
         for cq in list(self.cqs):
@@ -141,6 +147,8 @@ class CompChannel(Resource):
 
 class CQ(Resource):
     """A completion queue (``CQ(ctx, cqe, cq_context=None, channel=None, comp_vector=0)``)."""
+
+    _empty_polls = 0  # empty polls since poll last looked whether the daemon is gone
 
     def __init__(self, ctx: Context, cqe: int, cq_context: Any = None, channel: CompChannel | None = None,
                  comp_vector: int = 0) -> None:
@@ -174,6 +182,9 @@ class CQ(Resource):
         Raises:
             UserError: ``num_entries`` is negative (taking -1 would move the
                 ring's consumer back and deliver old completions again).
+            VerbsError: ENODEV: the CQ is empty and the daemon is gone, so
+                nothing more will come (looked at once every
+                ``EMPTY_POLLS`` empty polls).
         """
         if num_entries < 0:
             raise UserError(f"poll(num_entries={num_entries}): a count is not negative")
@@ -188,6 +199,14 @@ class CQ(Resource):
                     buf, ring.slot_offset(i))
                 out.append(WC(wr_id, status, opcode, vendor_err, byte_len, qp_num, src_qp, imm_data, wc_flags))
             ring.pop(n)
+        elif num_entries:
+            # Nothing there: now and then (one system call per EMPTY_POLLS
+            # empty polls) look whether the daemon is gone, so that a
+            # busy-polling loop ends instead of spinning for ever.
+            e = self._empty_polls = self._empty_polls + 1
+            if e >= EMPTY_POLLS:
+                self._empty_polls = 0
+                self.ctx._check_alive("poll")
         return n, out
 
     def req_notify(self, solicited_only: bool = False) -> None:
@@ -212,6 +231,8 @@ class CQ(Resource):
 
         Raises:
             TimeoutError: none within ``timeout`` seconds.
+            VerbsError: ENODEV: none came and the daemon is gone (found
+                within ``RECHECK_S`` of a quiet wait).
         """
         self._check_open()
         ring = self._ring
@@ -239,8 +260,10 @@ class CQ(Resource):
                 r, _, _ = select.select([self.fd], [], [], left)
                 if r:
                     _drain_eventfd(self.fd)
+                    continue
             else:
                 time.sleep(min(left, 0.001))
+            self.ctx._check_alive("wait")  # a quiet while: nothing will come from a daemon that is gone
 
     async def wait_async(self, timeout: float | None = None) -> int:
         """trio flavour of ``wait``: returns the number of ready completions.
@@ -260,12 +283,14 @@ class CQ(Resource):
                 n = ring.available()
                 if n:
                     return n
-                with trio.move_on_after(RECHECK_S):
+                with trio.move_on_after(RECHECK_S) as quiet:
                     if self.channel is None:
                         await trio.lowlevel.wait_readable(self.fd)
                         _drain_eventfd(self.fd)
                     else:
                         await trio.sleep(0.001)
+                if quiet.cancelled_caught or self.channel is not None:
+                    self.ctx._check_alive("wait_async")
 
     def poll_blocking(self, num_entries: int = 1, timeout: float | None = 10.0, spin_s: float = SPIN_S) -> list[WC]:
         """Wait for and take exactly ``num_entries`` completions (a convenience for tests/tools).

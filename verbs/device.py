@@ -37,6 +37,11 @@ from ..wire.errors import WireError
 from .errors import UserError, VerbsError
 
 DEFAULT_TIMEOUT_S = 10.0
+#: the requests that release an object: answered by the library once the daemon is gone
+_RELEASES = frozenset({Op.DEALLOC_PD, Op.DEREG_MR, Op.DESTROY_COMP_CHANNEL, Op.DESTROY_CQ, Op.DESTROY_QP,
+                       Op.DESTROY_SRQ, Op.CM_DESTROY_LISTENER, Op.GROUP_LEAVE})
+#: poll() events that say the daemon's end of the control connection is gone
+_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 
 
 class _Control:
@@ -301,6 +306,9 @@ class Context(Resource):
         self._async = shm.Ring(self._mm, shm.CtxLayout.async_offset, "struct uv_async_event", rep.async_entries)
         self._hello = rep
         self.device_name = rep.data.decode(errors="replace")
+        #: the daemon is gone (it exited or was killed): posts raise, waits end
+        self._dead = False
+        self._fatal_pending = False  # an IBV_EVENT_DEVICE_FATAL the library owes get_async_event
 
     # -- queries -----------------------------------------------------------------
     def query_device(self) -> DeviceAttr:
@@ -366,7 +374,46 @@ class Context(Resource):
             ev = AsyncEvent(event_type=int(e.event_type), element=int(e.element))
             r.pop()
             return ev
+        if self._fatal_pending:
+            self._fatal_pending = False
+            return AsyncEvent(event_type=int(shm.EventType.IBV_EVENT_DEVICE_FATAL), element=0)
         return None
+
+    # -- the daemon's death --------------------------------------------------------
+    def daemon_gone(self) -> bool:
+        """Whether the daemon is gone: it exited or was killed, so nothing
+        posted will complete.  One ``poll()`` on the control connection,
+        which the kernel hangs up when the daemon's process ends.  The first
+        time it finds the daemon gone it marks the device dead: posts raise
+        ``VerbsError(ENODEV)`` from then on, and ``get_async_event`` returns
+        IBV_EVENT_DEVICE_FATAL (unless the daemon sent it before it exited)."""
+        if self._dead:
+            return True
+        sock = self._ctl.sock
+        if sock is None or self._closed:
+            return False
+        p = select.poll()
+        p.register(sock.fileno(), _HUNG_UP)
+        if p.poll(0):
+            self._mark_dead()
+        return self._dead
+
+    def _mark_dead(self) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        if not self._page.device_fatal:  # a daemon that shut down in order queued the event itself
+            self._fatal_pending = True
+        try:
+            os.eventfd_write(self.async_fd, 1)  # wake whoever waits for an async event
+        except OSError:
+            pass
+
+    def _check_alive(self, what: str) -> None:
+        """Raise ``VerbsError(ENODEV)`` for ``what`` if the daemon is gone (see :meth:`daemon_gone`)."""
+        if self.daemon_gone():
+            raise VerbsError(f"{what}: the device is gone (IBV_EVENT_DEVICE_FATAL): its daemon exited",
+                             errno.ENODEV)
 
     def get_async_event(self, timeout: float | None = DEFAULT_TIMEOUT_S) -> AsyncEvent:
         """Wait for the next async event (QP fatal, CQ error, ...).
@@ -383,9 +430,16 @@ class Context(Resource):
             left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if left <= 0:
                 raise TimeoutError("no async event")
-            r, _, _ = select.select([self.async_fd], [], [], left)
-            if r:
-                _drain_eventfd(self.async_fd)
+            p = select.poll()
+            p.register(self.async_fd, select.POLLIN)
+            sock = None if self._dead else self._ctl.sock
+            if sock is not None:
+                p.register(sock.fileno(), _HUNG_UP)  # the daemon's death wakes us too
+            for fd, events in p.poll(left * 1000):
+                if fd == self.async_fd:
+                    _drain_eventfd(self.async_fd)
+                elif events & _HUNG_UP:
+                    self._mark_dead()
 
     async def get_async_event_async(self, timeout: float | None = None) -> AsyncEvent:
         """trio flavour of ``get_async_event``."""
@@ -397,13 +451,16 @@ class Context(Resource):
                 ev = self._pop_async()
                 if ev is not None:
                     return ev
-                await trio.lowlevel.wait_readable(self.async_fd)
-                _drain_eventfd(self.async_fd)
+                with trio.move_on_after(0.05):  # then look whether the daemon is still there
+                    await trio.lowlevel.wait_readable(self.async_fd)
+                    _drain_eventfd(self.async_fd)
+                self.daemon_gone()
 
     @property
     def device_fatal(self) -> bool:
-        """True once the daemon announced it is going away (IBV_EVENT_DEVICE_FATAL)."""
-        return bool(self._page.device_fatal)
+        """True once the daemon announced it is going away, or the library
+        found it gone (IBV_EVENT_DEVICE_FATAL)."""
+        return self._dead or bool(self._page.device_fatal)
 
     # -- used by QPs after posting ---------------------------------------------------
     def ring_doorbell(self) -> None:
@@ -414,7 +471,16 @@ class Context(Resource):
 
     def call(self, op: Op, fds: Iterable[int] = (), **fields: Any) -> tuple[Any, list[int]]:
         self._check_open()
-        return self._ctl.call(op, fds, **fields)
+        if self._dead:
+            if op in _RELEASES:
+                return None, []  # what the daemon held went with it: closing an object just works
+            self._check_alive(op.name)
+        try:
+            return self._ctl.call(op, fds, **fields)
+        except VerbsError as e:
+            if e.error_code in (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN):
+                self._mark_dead()  # the daemon hung up: it is gone
+            raise
 
     def _release(self) -> None:
         self._ctl.close()

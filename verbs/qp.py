@@ -215,33 +215,50 @@ class RecvWR:
         self.next_wr = next_wr
 
 
-def _raise_as_cffi(slot: Any, fields: Iterable[tuple[str, Any]], err: struct.error) -> NoReturn:
-    """Re-raise a value ``pack_into`` refused as the error a cffi field store gives for it.
+#: the C type of each WQE field the fast path packs unmasked (``wire/shm.py``)
+_FIELD_BITS = {"addr": 64, "length": 32, "lkey": 32, "remote_addr": 64, "rkey": 32, "opcode": 32,
+               "send_flags": 32, "num_sge": 32}
 
-    Callers expect the OverflowError / TypeError a cffi field store raises,
-    naming the C type, not ``struct.error``; replaying the stores into the
-    (not yet pushed) slot raises exactly that.  The fast path packs with
-    ``struct`` and comes here only for a value it refused.
-    """
+
+def _refuse(verb: str, fields: Iterable[tuple[str, Any]], err: Exception) -> NoReturn:
+    """Raise ``UserError`` naming the first of ``fields`` that does not fit its
+    C type.  The fast path packs with ``struct`` and comes here only for a
+    value it refused (a negative length, count, address or key), so a post
+    pays nothing for the check."""
     for name, value in fields:
-        setattr(slot, name, value)
-    raise err
+        bits = _FIELD_BITS.get(name, 64)
+        if type(value) is not int or not 0 <= value < 1 << bits:
+            raise UserError(f"{verb}: {name}={value!r} is out of range (an unsigned {bits}-bit integer)") from None
+    raise UserError(f"{verb}: a field is out of range ({err})") from None
 
 
-def _pack_sges(ring: shm.Ring, buf: memoryview, off: int, sg: list[Any], n: int) -> None:
-    """Write the first ``n`` SGEs of ``sg`` at ``buf[off:]`` (the slot ``ring`` is filling)."""
+def _pack_sges(verb: str, buf: memoryview, off: int, sg: list[Any], n: int) -> None:
+    """Write the first ``n`` SGEs of ``sg`` at ``buf[off:]`` (the slot a ring is filling)."""
     pack = shm.SGE.pack_into
     for i in range(n):
         s = sg[i]
         try:
             pack(buf, off, s.addr, s.length, s.lkey)
         except struct.error as err:
-            _raise_as_cffi(ring.next_slot().sg[i], (("addr", s.addr), ("length", s.length), ("lkey", s.lkey)), err)
+            _refuse(f"{verb}, SGE {i}", (("addr", s.addr), ("length", s.length), ("lkey", s.lkey)), err)
         off += shm.SGE_SIZE
+
+
+def _inline_data(sg: list[Any], n: int) -> bytes:
+    """The bytes the first ``n`` SGEs of an inline send name, gathered."""
+    if not 0 <= n <= len(sg):
+        raise UserError(f"post_send: num_sge={n} with {len(sg)} SGEs given")
+    for i in range(n):
+        s = sg[i]
+        if type(s.addr) is not int or type(s.length) is not int or s.addr < 0 or s.length < 0:
+            _refuse(f"post_send, SGE {i}", (("addr", s.addr), ("length", s.length)), ValueError())
+    return b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)) for s in sg[:n])
 
 
 def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> None:
     """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ) and ring the doorbell once."""
+    if ctx._dead:
+        ctx._check_alive("post_recv")
     posted = 0
     buf = rq.buf
     head, sg_offset = shm.RECV_WQE_HEAD, shm.RECV_WQE_SG_OFFSET
@@ -253,14 +270,15 @@ def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> N
             if n > max_sge:
                 raise VerbsError(f"num_sge {n} > max_recv_sge {max_sge}", errno.EINVAL)
             if rq.free() == 0:
+                ctx._check_alive("post_recv")
                 raise VerbsError("receive queue full", errno.ENOMEM)
             off = rq.next_slot_offset()
             wr_id = wr.wr_id & _U64
             try:
                 head.pack_into(buf, off, wr_id, n)
             except struct.error as err:
-                _raise_as_cffi(rq.next_slot(), (("wr_id", wr_id), ("num_sge", n)), err)
-            _pack_sges(rq, buf, off + sg_offset, wr.sg, n)
+                _refuse("post_recv", (("num_sge", n),), err)
+            _pack_sges("post_recv", buf, off + sg_offset, wr.sg, n)
             rq.push()
             posted += 1
             wr = wr.next_wr
@@ -371,12 +389,16 @@ class QP(Resource):
 
         Raises:
             VerbsError: EINVAL (QP not ready to send, too many SGEs, inline
-                too long), ENOMEM (send queue full).
-            UserError: ``num_sge`` larger than the SGE list.
+                too long), ENOMEM (send queue full), ENODEV (the daemon is
+                gone: IBV_EVENT_DEVICE_FATAL).
+            UserError: ``num_sge`` larger than the SGE list, or a length,
+                count, address or key that is negative or too large.
         """
         self._check_open()
         if self.qp_state in _NOT_SENDABLE:
             raise VerbsError(f"post_send on a QP in {S(self.qp_state).name}", errno.EINVAL)
+        if self.ctx._dead:
+            self.ctx._check_alive("post_send")
         sq = self._sq
         buf = sq.buf
         head, sg_offset = shm.SEND_WQE_HEAD, shm.SEND_WQE_SG_OFFSET
@@ -388,28 +410,28 @@ class QP(Resource):
                 if n > len(wr.sg):
                     raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
                 if sq.free() == 0:
+                    self.ctx._check_alive("post_send")  # a daemon that is gone takes nothing from the ring
                     raise VerbsError("send queue full", errno.ENOMEM)
                 off = sq.next_slot_offset()
                 inline = int(wr.send_flags) & _SEND_INLINE
                 if inline:
-                    if n == 1:
+                    s = wr.sg[0] if n == 1 else None
+                    if s is not None and s.length >= 0 and s.addr >= 0:
                         # perftest's case: copied once, from the buffer into the slot
-                        s = wr.sg[0]
                         data = shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)
                     else:
-                        data = b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length))
-                                        for s in wr.sg[:n])
+                        data = _inline_data(wr.sg, n)
                     num_sge, inline_len = 0, len(data)
                 else:
                     num_sge, inline_len = n, 0
                 try:
-                    head.pack_into(buf, off, wr.wr_id & _U64, wr.remote_addr & _U64, wr.opcode, wr.send_flags,
-                                   num_sge, wr.imm_data & _U32, wr.rkey & _U32, inline_len, wr.compare_add & _U64,
+                    head.pack_into(buf, off, wr.wr_id & _U64, wr.remote_addr, wr.opcode, wr.send_flags,
+                                   num_sge, wr.imm_data & _U32, wr.rkey, inline_len, wr.compare_add & _U64,
                                    wr.swap & _U64)
                 except struct.error as err:
-                    # the masked fields always fit: one of these did not
-                    _raise_as_cffi(sq.next_slot(), (("opcode", wr.opcode), ("send_flags", wr.send_flags),
-                                                    ("num_sge", num_sge)), err)
+                    # the masked fields always fit (an atomic's operands are two's complement): one of these did not
+                    _refuse("post_send", (("remote_addr", wr.remote_addr), ("rkey", wr.rkey), ("opcode", wr.opcode),
+                                          ("send_flags", wr.send_flags), ("num_sge", num_sge)), err)
                 off += sg_offset
                 if inline:
                     if inline_len > cap.max_inline_data:
@@ -419,7 +441,7 @@ class QP(Resource):
                 else:
                     if n > cap.max_send_sge:
                         raise VerbsError(f"num_sge {n} > max_send_sge {cap.max_send_sge}", errno.EINVAL)
-                    _pack_sges(sq, buf, off, wr.sg, n)
+                    _pack_sges("post_send", buf, off, wr.sg, n)
                 sq.push()
                 posted += 1
                 wr = wr.next_wr
@@ -433,8 +455,10 @@ class QP(Resource):
 
         Raises:
             VerbsError: EINVAL (QP in RESET, too many SGEs, the QP takes its
-                receives from an SRQ), ENOMEM (queue full).
-            UserError: ``num_sge`` larger than the SGE list.
+                receives from an SRQ), ENOMEM (queue full), ENODEV (the
+                daemon is gone).
+            UserError: ``num_sge`` larger than the SGE list, or a length,
+                count, address or key that is negative or too large.
         """
         self._check_open()
         if self.qp_state == S.IBV_QPS_RESET:

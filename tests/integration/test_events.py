@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import tempfile
+import time
+
+import pytest
+import trio
 
 from udpverbs import verbs
 from udpverbs.verbs.enums import (
@@ -72,3 +77,54 @@ def test_daemon_shutdown_is_device_fatal() -> None:
             ctx.close()
         finally:
             p.stop()
+
+
+def test_a_killed_daemon_is_device_fatal_and_nothing_hangs() -> None:
+    # On main the application of a daemon killed with SIGKILL heard nothing:
+    # no async event, posts went into rings nobody reads, and a wait without
+    # a timeout waited for ever.
+    with tempfile.TemporaryDirectory(prefix="udpverbs-ev-") as d:
+        with DaemonProc("uvK1", "127.0.0.2", d, seed=51) as da, DaemonProc("uvK2", "127.0.0.3", d, seed=52) as db:
+            a, b = Side(da, 1 << 16), Side(db, 1 << 16)
+            watcher = verbs.Context(socket_path=da.socket_path)  # a second application of the same device
+            trio_cq = verbs.CQ(watcher, 4)
+            connect_manual(a, a.qp, b, b.qp)
+            wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(a.mr.buf, 8, a.mr.lkey)],
+                              send_flags=IBV_SEND_SIGNALED)
+            wr.set_wr_rdma(b.mr.rkey, b.mr.buf)
+            a.qp.post_send(wr)
+            assert a.cq.poll_blocking(1, timeout=10)[0].status == IBV_WC_SUCCESS
+            assert da.proc is not None
+            da.proc.kill()
+            da.proc.wait(10)
+            t0 = time.monotonic()
+            ev = a.ctx.get_async_event(timeout=10)
+            assert (ev.event_type, ev.element) == (IBV_EVENT_DEVICE_FATAL, 0) and a.ctx.device_fatal
+            assert time.monotonic() - t0 < 2
+            with pytest.raises(TimeoutError):
+                a.ctx.get_async_event(timeout=0.2)  # once
+            for post in (lambda: a.qp.post_send(wr), lambda: a.qp.post_recv(verbs.RecvWR(wr_id=2))):
+                with pytest.raises(verbs.VerbsError) as e:
+                    post()
+                assert e.value.error_code == errno.ENODEV
+            with pytest.raises(verbs.VerbsError) as e:
+                a.cq.poll_blocking(1, timeout=None)  # no timeout: it used to wait for ever
+            assert e.value.error_code == errno.ENODEV
+            with pytest.raises(verbs.VerbsError):
+                for _ in range(100_000):  # a busy-polling loop ends too
+                    a.cq.poll(16)
+            with pytest.raises(verbs.VerbsError) as e:
+                verbs.PD(a.ctx)
+            assert e.value.error_code == errno.ENODEV
+
+            async def helpers() -> None:
+                with trio.fail_after(10):
+                    ev = await watcher.get_async_event_async()
+                    assert ev.event_type == IBV_EVENT_DEVICE_FATAL
+                    with pytest.raises(verbs.VerbsError):
+                        await trio_cq.poll_async(1)
+
+            trio.run(helpers)
+            a.close()  # closing what the dead daemon held just works
+            watcher.close()
+            b.close()

@@ -142,6 +142,11 @@ class PacketRecovery:
         """Declare everything in flight lost (RFC 6298 §5.4 onwards, with SACK:
         resend every un-SACKed packet).  Returns the number of packets."""
         pending = set(self.inflight)
+        if self.una in self.sacked:  # the peer's SACK reports are not to be believed: resend them too
+            pending.update(self.sacked)
+            self.sacked.clear()
+            self._sack_from_start.clear()
+            self._sack_from_end.clear()
         pending.update(n for n in self.lost if n >= self.una and n not in self.sacked)
         self.lost = deque(sorted(pending))
         self.inflight.clear()
