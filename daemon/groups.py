@@ -334,6 +334,7 @@ class GroupService:
         status = LeaveStatus.DIED if died or holding or m.wait is not None else LeaveStatus.LEFT
         m.gone = True
         m.wait = None
+        self.stats["group_ranks_died" if status == LeaveStatus.DIED else "group_ranks_left"] += 1
         g.lock.rank_gone(m.rank)
         self._flush(g)  # the locks it passes on travel ahead of the news on every link
         for d in range(len(g.daemons)):

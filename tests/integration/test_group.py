@@ -196,7 +196,11 @@ def test_a_rank_killed_inside_a_barrier_fails_the_others_barriers(four: list[Dae
             rk.expect("ready")
         ranks[5].tell()
         wait_counter(four, "group_barrier_waits", waits0 + 1)
+        died0 = counter(four, "group_ranks_died")
         killed = ranks[5].kill()
+        # Until its daemon sees the death, rank 5's arrival counts, and the
+        # others arriving would complete the barrier, rightly.
+        wait_counter(four, "group_ranks_died", died0 + 1)
         for r in range(8):
             if r != 5:
                 ranks[r].tell()
