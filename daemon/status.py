@@ -17,7 +17,8 @@ The answers are JSON objects (``ctl.StatusSection``):
 ``DEVICE``
     ``name version ctl_version pid state addr udp_port gid node_guid mtu cc
     gso native started uptime_s clients qps links cqs mrs pds metrics``
-    (the Prometheus endpoint's URL, or null), ``limits``
+    (the Prometheus endpoint's URL, or null), ``cluster_key`` (set or not),
+    ``impair`` (what ``--impair`` does, or null), ``limits``
     (``max_qp max_cq max_mr max_pd max_qp_wr max_cqe max_sge
     max_inline_data max_mr_size max_msg_sz max_qp_rd_atom
     max_qp_init_rd_atom atomic_cap``) and ``counters`` (QUERY_STATS's).
@@ -94,6 +95,7 @@ def device_report(device: Device, asker: Any = None) -> dict[str, Any]:
         "started": wall, "uptime_s": round(time.monotonic() - mono, 3),
         "clients": len(device.sessions - {asker}), "qps": len(device.qps), "links": len(device.links),
         "cqs": len(device.cqs), "mrs": len(device.mrs), "pds": len(device.pds), "metrics": device.metrics_url,
+        "cluster_key": c.key is not None, "impair": c.impair.describe() if c.impair is not None else None,
         "limits": limits, "counters": counters(device),
     }
 

@@ -209,7 +209,10 @@ def devinfo_lines(dev: dict[str, Any], path: str, verbose: bool) -> list[str]:
         ("in use", f"clients {dev['clients']}, QPs {dev['qps']}, CQs {dev['cqs']}, MRs {dev['mrs']}, "
                    f"links {dev['links']}"),
         ("metrics", dev["metrics"] or "off (udpverbsd --metrics ADDR:PORT)"),
+        ("cluster key", "set: every datagram authenticated" if dev.get("cluster_key") else "none"),
     ]
+    if dev.get("impair"):
+        fields.append(("impaired", f"{dev['impair']} (udpverbsd --impair: for testing only)"))
     if verbose:
         fields += [(k, lim[k]) for k in ("max_qp", "max_qp_wr", "max_sge", "max_cq", "max_cqe", "max_mr",
                                           "max_pd", "max_inline_data")]

@@ -26,6 +26,7 @@ import pytest
 
 from udpverbs import cli, tools, verbs
 from udpverbs.daemon import status
+from udpverbs.daemon.clusterkey import write_new_key
 from udpverbs.wire.ctl import Op, StatusSection
 from udpverbs.verbs.enums import IBV_SEND_SIGNALED, IBV_WC_SUCCESS, IBV_WR_RDMA_WRITE, IBV_WR_SEND
 
@@ -35,7 +36,7 @@ from .daemons import DaemonProc, running
 #: the keys the documentation promises (daemon/status.py, docs/REFERENCE.md)
 DEVICE_KEYS = {"name", "version", "ctl_version", "pid", "state", "addr", "udp_port", "gid", "node_guid", "mtu", "cc",
                "gso", "native", "started", "uptime_s", "clients", "qps", "links", "cqs", "mrs", "pds", "metrics",
-               "limits", "counters"}
+               "cluster_key", "impair", "limits", "counters"}
 LIMIT_KEYS = {"max_qp", "max_cq", "max_mr", "max_pd", "max_qp_wr", "max_cqe", "max_sge", "max_inline_data",
               "max_mr_size", "max_msg_sz", "max_qp_rd_atom", "max_qp_init_rd_atom", "atomic_cap"}
 LINK_KEYS = {"peer", "addr", "port", "state", "qps", "datagrams_sent", "datagrams_received", "bytes_sent",
@@ -177,6 +178,20 @@ def test_devinfo_of_a_missing_device_fails_clearly(daemons: tuple[DaemonProc, Da
     assert rc == 1
     (doc,) = json.loads(text)
     assert doc["state"] == "absent" and "no daemon serves it" in doc["error"]
+
+
+def test_devinfo_says_whether_a_cluster_key_is_set_and_what_impairs_the_daemon(rundir: str) -> None:
+    key = os.path.join(rundir, "cluster.key")
+    write_new_key(key)
+    with running(DaemonProc("uvK", "127.0.0.2", rundir, seed=23,
+                            extra=(f"--key-file={key}", "--impair=loss=0.01"))) as (d,):
+        rc, text = run("devinfo", "-d", d.socket_path, "--json")
+        assert rc == 0
+        (doc,) = json.loads(text)
+        assert doc["cluster_key"] is True and doc["impair"] == "loss=0.01"
+        rc, text = run("devinfo", "-d", d.socket_path)
+        assert "cluster key:" in text and "set: every datagram authenticated" in text
+        assert "impaired:" in text and "loss=0.01" in text
 
 
 # -- stat -----------------------------------------------------------------------------------
