@@ -45,6 +45,7 @@ from .opcode_tour import ACCESS_ATOMIC, TAGGED, Segment, Tour, check_tour, run_t
 
 LUA = pathlib.Path(__file__).resolve().parents[2] / "contrib" / "wireshark" / "udpverbs.lua"
 END_MARK = b"udpverbs wireshark test: end of capture"
+START_MARK = b"udpverbs wireshark test: capturing"
 
 
 def _tools() -> tuple[str, str]:
@@ -72,15 +73,20 @@ class Capture:
                 rest = ""
             pytest.skip(f"dumpcap cannot capture on lo here: {(line + rest).strip()}")
 
-    def finish(self, mark_to: tuple[str, int]) -> None:
-        """Send a last datagram the filter takes, wait until the file holds it, stop dumpcap."""
+    def mark(self, mark: bytes, mark_to: tuple[str, int]) -> None:
+        """Send a datagram the filter takes until the file holds it (dumpcap says
+        "Capturing on" before its filter is in place: a busy machine lost a link's INIT)."""
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                s.sendto(END_MARK, mark_to)
-                time.sleep(0.2)
-                if END_MARK in pathlib.Path(self.path).read_bytes():
-                    break
+                s.sendto(mark, mark_to)
+                time.sleep(0.1)
+                if os.path.exists(self.path) and mark in pathlib.Path(self.path).read_bytes():
+                    return
+
+    def finish(self, mark_to: tuple[str, int]) -> None:
+        """Send a last datagram the filter takes, wait until the file holds it, stop dumpcap."""
+        self.mark(END_MARK, mark_to)
         self.stop()
 
     def stop(self) -> None:
@@ -242,6 +248,7 @@ def test_the_lua_dissector_decodes_a_live_capture_of_every_opcode(keyed: bool) -
         try:
             db = DaemonProc("uvWb", "127.0.0.3", d, seed=42, extra=extra).start()
             cap = Capture(dumpcap, [da.port, db.port], os.path.join(d, "tour.pcapng"))
+            cap.mark(START_MARK, (da.addr, da.port))
             a, b = Side(da), Side(db, access=ACCESS_ATOMIC)
             try:
                 connect_manual(a, a.qp, b, b.qp)
