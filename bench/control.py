@@ -163,6 +163,8 @@ class ControlChannel:
 
 def _step(obj: dict[str, Any], op: str) -> dict[str, Any]:
     if obj.get("op") == "error":
+        if obj.get("interrupted") is True:
+            raise ControlError("the peer was interrupted")
         raise ControlError(f"peer failed: {obj.get('message', '?')}")
     if obj.get("op") != op:
         raise ControlError(f"expected {op!r} from the peer, got {obj.get('op')!r}")

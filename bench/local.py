@@ -265,7 +265,8 @@ def spawn_server(test: str, *, device: str | None, quiet: bool = True, cpus: fro
     client prints the same rows); the CPUs to pin it to (None: any).
     Returns: the child; its ready line is the TCP port it listens on at SERVER_IP.
     """
-    argv = cli_argv("perf", test, "--bind", SERVER_IP, "--port", "0", "--ready-fd", "{ready_fd}")
+    argv = cli_argv("perf", test, "--bind", SERVER_IP, "--port", "0", "--ready-fd", "{ready_fd}",
+                    "--device-on-request")
     if device is not None:
         argv += ["--device", device]
     return spawn(argv, stdout=subprocess.DEVNULL if quiet else None, cpus=cpus)

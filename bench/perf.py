@@ -447,7 +447,8 @@ class Session:
 
     Takes: the validated parameters, the control channel, the role
     (``is_client``), where to print (``out``, None for nothing), JSON output,
-    the daemon to use (``device``), a progress callback for the client, and
+    the daemon to use (``device``, or ``context``, that device already open,
+    which the session then closes), a progress callback for the client, and
     the flags local daemons were started with (``daemon_args``) and where a
     local run's processes are (``cpus``), both shown in the banner so a
     saved table says what it measured, and how this side prints (``output``).
@@ -462,6 +463,7 @@ class Session:
         out: TextIO | None = None,
         json_out: bool = False,
         device: str | None = None,
+        context: Any = None,
         progress: Callable[[int, int, int], None] | None = None,
         daemon_args: Sequence[str] = (),
         cpus: str | None = None,
@@ -476,6 +478,7 @@ class Session:
         self.out = out
         self.json_out = json_out
         self.device = device
+        self.context = context
         self.progress = progress
         self.rows: list[Row] = []
         self._udp: socket.socket | None = None
@@ -574,7 +577,7 @@ class Session:
             return self._run()
         except BaseException as e:
             try:
-                self.ctrl.send({"op": "error", "message": f"{type(e).__name__}: {e}"})
+                self.ctrl.send(error_message(e))
             except ControlError:
                 pass
             raise
@@ -586,7 +589,8 @@ class Session:
         if not p.baseline_only:
             from . import verbs_perf  # imported only when udpverbs itself is measured
 
-            self._ours = verbs_perf.open_side(p, self.ctrl, is_client=self.is_client, device=self.device)
+            self._ours = verbs_perf.open_side(p, self.ctrl, is_client=self.is_client, device=self.device,
+                                              context=self.context)
         if p.baseline:
             self._open_udp()
         self._banner()
@@ -791,10 +795,21 @@ class Session:
         if self._ours is not None:
             self._ours.close()
             self._ours = None
+        if self.context is not None:  # given, and unused if the client asked for the baseline only
+            self.context.close()
+            self.context = None
         for sock in (self._udp, self._udp_rev):
             if sock is not None:
                 sock.close()
         self._udp = self._udp_rev = None
+
+
+def error_message(e: BaseException) -> dict[str, Any]:
+    """The control message telling the peer why this side stops: Ctrl-C
+    (KeyboardInterrupt) is an interruption, not a failure to name by its type."""
+    if isinstance(e, KeyboardInterrupt):
+        return {"op": "error", "message": "interrupted", "interrupted": True}
+    return {"op": "error", "message": f"{type(e).__name__}: {e}"}
 
 
 def hello(ctrl: ControlChannel, params: PerfParams) -> None:

@@ -154,16 +154,17 @@ def open_context(verbs: Any, device: str | None) -> Any:
         raise VerbsRunError(f"cannot open udpverbs device {device or '(default)'}: {e}") from e
 
 
-def open_side(params: Any, ctrl: Any, *, is_client: bool, device: str | None) -> "VerbsSide":
+def open_side(params: Any, ctrl: Any, *, is_client: bool, device: str | None, context: Any = None) -> "VerbsSide":
     """Open this side's udpverbs resources and connect them to the peer's.
 
-    Takes: the session parameters, the control channel, the role, the device.
+    Takes: the session parameters, the control channel, the role, the
+    device, or ``context``, the device already open (the side then owns it).
     Returns: a connected :class:`VerbsSide`.
     Raises: VerbsUnavailable if the library cannot run ``params.test``;
     VerbsRunError if the daemon refuses; ControlError if the peer fails.
     """
     verbs = load_verbs()
-    side = VerbsSide(verbs, params, ctrl, is_client=is_client, device=device)
+    side = VerbsSide(verbs, params, ctrl, is_client=is_client, device=device, context=context)
     try:
         side.connect()
     except BaseException:
@@ -217,7 +218,8 @@ def _peer_int(msg: dict[str, Any], key: str) -> int:
 class VerbsSide:
     """One side's resources and the per-size runs (see the module docstring)."""
 
-    def __init__(self, verbs: Any, params: Any, ctrl: Any, *, is_client: bool, device: str | None) -> None:
+    def __init__(self, verbs: Any, params: Any, ctrl: Any, *, is_client: bool, device: str | None,
+                 context: Any = None) -> None:
         from udpverbs.verbs import enums as E
 
         self.v = verbs
@@ -245,7 +247,7 @@ class VerbsSide:
         # How often (in turns) a waiting side looks at the clock and the control
         # connection: every turn under -e, where each turn may sleep EVENT_WAIT_S.
         self.check_every = 1 if params.use_events else CHECK_EVERY
-        self.ctx = open_context(verbs, device)
+        self.ctx = context if context is not None else open_context(verbs, device)
         try:
             dev = self.ctx.query_device()
             self._size_receives(params, dev)

@@ -110,7 +110,10 @@ def parser() -> argparse.ArgumentParser:
                    help="impair every datagram this daemon sends, as tc netem would, to test on a bad network: "
                    "e.g. loss=0.05,dup=0.02,reorder=0.05,corrupt=0.001,delay=200us,jitter=50us,rate=1gbit "
                    "(seeded by --seed; TOML table [impair])")
-    p.add_argument("--ready-fd", type=int, help="write one line to this fd once serving (for supervisors/tests)")
+    p.add_argument("--ready-fd", type=int, metavar="FD",
+                   help="once serving, write the line 'ready IP PORT SOCKET' to this inherited pipe and close it "
+                   "(PORT: the UDP port, the one --port 0 picked); nothing is written if the start fails "
+                   "(for launchers; see docs/REFERENCE.md)")
     p.add_argument("--metrics", metavar="ADDR:PORT",
                    help="serve Prometheus metrics on this address only, e.g. 127.0.0.1:9464 (default: off)")
     p.add_argument("--version", action="version", version=version_line("udpverbsd"))

@@ -4,11 +4,13 @@ Theory of operation
 -------------------
 ``udpverbs perf TEST`` is perftest's ``ib_TEST`` with the same flags and
 meanings (``-s -a -n -D -q -t -m -I -p --device``) and the same roles: without
-a peer it is the server and waits for a client; ``--peer HOST[:PORT]`` makes
-it the client; ``--local`` runs both sides on this host (two daemons on
-127.0.0.2 and 127.0.0.3, the server as a child process) so nothing needs
-setting up.  ``--baseline raw-udp`` measures bare UDP sockets between the
-same two processes in the same run and prints it beside every row.
+a peer it is the server, opens its device (so that a missing daemon fails at
+once) and waits for a client; ``--peer HOST[:PORT]`` makes it the client;
+``--local`` runs both sides on this host (two daemons on 127.0.0.2 and
+127.0.0.3, the server as a child process) so nothing needs setting up.
+When one side is interrupted, the other is told so and fails saying so.
+``--baseline raw-udp`` measures bare UDP sockets between the same two
+processes in the same run and prints it beside every row.
 ``--rnr-delay-us D`` (send_lat only) exercises the receiver-not-ready path:
 the server posts each receive D µs after its reply, so the client's next
 Send is NACKed and resumed; the latencies include the wait.
@@ -46,7 +48,7 @@ from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError
 from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
 from udpverbs.bench.rawudp import BaselineError
 from udpverbs.bench.report import OUTPUT_UNITS, Row
-from udpverbs.bench.verbs_perf import VerbsRunError
+from udpverbs.bench.verbs_perf import VerbsRunError, load_verbs, open_context
 from udpverbs.daemon.config import version_line
 
 CONNECT_TIMEOUT_S = 10.0
@@ -155,7 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("path", metavar="PATH", help="the key file to create (an existing file is not overwritten)")
     _add_soak_parser(sub)
     tools.add_parsers(sub)
+    for sub_parser in sub.choices.values():
+        sub_parser.set_defaults(sub_parser=sub_parser)  # whose usage a stray argument gets (parse_command)
     return parser
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """Parse the ``udpverbs`` command line (not ``perf lock_lat|barrier_lat``, see :func:`main`).
+
+    An argument no parser takes is reported with the usage of the
+    sub-command it follows (argparse would print the top-level usage).
+    Raises: SystemExit (status 2) for a bad command line, as argparse does.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        message = f"unrecognized arguments: {' '.join(extra)}"
+        if extra[0] in argv[:argv.index(args.command)]:
+            parser.error(message)  # a stray argument before the sub-command
+        args.sub_parser.error(message)
+    return args
 
 
 def _add_perf_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -249,6 +270,9 @@ def _add_perf_roles(perf: argparse.ArgumentParser) -> None:
     perf.add_argument("--plot", metavar="FILE.png", help="write latency/bandwidth against message size (needs matplotlib)")
     perf.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal")
     perf.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # internal: --local's readiness pipe
+    # internal: --local starts its server while the daemons start, and
+    # connects the client only once they serve
+    perf.add_argument("--device-on-request", action="store_true", help=argparse.SUPPRESS)
     _add_daemon_arg(perf)
     _add_no_pin(perf)
 
@@ -395,22 +419,46 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> list[Row]
     Raises: the run errors (ControlError, …).
     """
     out = out or sys.stdout
-    listener = listen(args.bind or "0.0.0.0", args.port)
+    context = open_server_device(args)
     try:
-        port = listener.getsockname()[1]
-        if args.ready_fd is not None:
-            os.write(args.ready_fd, f"{port}\n".encode())
-            os.close(args.ready_fd)
-        if not args.json and args.output is None:
-            print(f"{'*' * 36}\n* Waiting for client to connect... *\n{'*' * 36}", file=out, flush=True)
-        ctrl = accept(listener, None)
+        listener = listen(args.bind or "0.0.0.0", args.port)
+        try:
+            port = listener.getsockname()[1]
+            if args.ready_fd is not None:
+                os.write(args.ready_fd, f"{port}\n".encode())
+                os.close(args.ready_fd)
+            if not args.json and args.output is None:
+                print(f"{'*' * 36}\n* Waiting for client to connect... *\n{'*' * 36}", file=out, flush=True)
+            ctrl = accept(listener, None)
+        finally:
+            listener.close()
+        with ctrl:
+            params = welcome(ctrl, args.test)
+            session = Session(params, ctrl, is_client=False, out=out, json_out=args.json, device=args.device,
+                              context=context, output=OutputOptions(gbits=args.report_gbits, only=args.output))
+            context = None  # the session closes it
+            return session.run()
     finally:
-        listener.close()
-    with ctrl:
-        params = welcome(ctrl, args.test)
-        session = Session(params, ctrl, is_client=False, out=out, json_out=args.json, device=args.device,
-                          output=OutputOptions(gbits=args.report_gbits, only=args.output))
-        return session.run()
+        if context is not None:
+            context.close()
+
+
+def open_server_device(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Open the server's device before it waits for a client, as perftest
+    does, so that a missing daemon fails now and not once a client came.
+
+    Returns: the open context; None under ``--baseline-only`` (the
+    device is then opened only if the client asks for udpverbs after all)
+    or for the server of a ``--local`` run, whose daemon is still starting.
+    Raises: VerbsRunError naming the device and what to do.
+    """
+    if args.baseline_only or args.device_on_request:
+        return None
+    try:
+        return open_context(load_verbs(), args.device)
+    except VerbsRunError as e:
+        raise VerbsRunError(f"{e}; to measure only the raw-UDP baseline, without a daemon, add --baseline raw-udp "
+                            "--baseline-only") from None
 
 
 def run_client(
@@ -592,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # lock_lat and barrier_lat have flags of their own (bench/group_perf.py)
     group_test = argv[:1] == ["perf"] and any(a in group_perf.TESTS for a in argv[1:])
-    args = None if group_test else build_parser().parse_args(argv)
+    args = None if group_test else parse_command(argv)
     command = "perf" if args is None else args.command
     try:
         if args is None:

@@ -112,6 +112,21 @@ def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str
     assert "error" in err and fragment in err
 
 
+@pytest.mark.parametrize("argv, usage", [
+    (["perf", "write_lat", "--bogus"], "usage: udpverbs perf "),
+    (["perf", "--bogus", "write_lat"], "usage: udpverbs perf "),
+    (["devices", "--bogus"], "usage: udpverbs devices "),
+    (["--bogus", "devices"], "usage: udpverbs [-h]"),
+])
+def test_a_stray_argument_shows_the_usage_it_belongs_to(argv: list[str], usage: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and "unrecognized arguments: --bogus" in err, err
+
+
 def test_demo_checks_its_daemon_flags_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--daemon-arg=--socket=/tmp/x.sock"]) == 2
     assert "--local sets --socket itself" in capsys.readouterr().err

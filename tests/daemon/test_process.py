@@ -139,3 +139,43 @@ def test_client_that_vanishes_is_torn_down(rundir) -> None:
             qp2 = verbs.QP(pd2, verbs.QPInitAttr(qp_type=IBV_QPT_RC, scq=cq2, rcq=cq2))
             assert qp2.qp_num >= 1
         assert d.proc is not None and d.proc.poll() is None
+
+
+def _reference() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "REFERENCE.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _start_with_ready_fd(args: list[str]) -> tuple[subprocess.Popen[bytes], bytes]:
+    """Start a daemon with ``--ready-fd``; returns it and all it wrote on the pipe before closing it."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "udpverbs.daemon", *args, "--ready-fd", str(w)], pass_fds=(w,),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    with open(r, "rb") as ready:
+        return proc, ready.read()  # until the daemon closes it, or exits
+
+
+def test_ready_fd_writes_the_documented_line_once_serving(rundir) -> None:
+    # The line a launcher parses is the one docs/REFERENCE.md and --help describe.
+    assert "```\nready IP PORT SOCKET\n```" in _reference()
+    assert "'ready IP PORT SOCKET'" in " ".join(_run_second(["--help"]).stdout.decode().split())
+    path = os.path.join(rundir, "uvR.sock")
+    proc, line = _start_with_ready_fd(["--name", "uvR", "--addr", "127.0.0.4", "--port", "0", "--socket", path])
+    try:
+        word, ip, port, socket_path = line.decode().split(" ")
+        assert (word, ip, socket_path) == ("ready", "127.0.0.4", path + "\n")
+        with verbs.Context(socket_path=path) as ctx:
+            assert ctx.query_port().lid == int(port) != 0  # the port --port 0 picked
+        # a start that fails writes nothing: the pipe just ends
+        second, nothing = _start_with_ready_fd(["--addr", "127.0.0.4", "--port", port,
+                                                "--socket", os.path.join(rundir, "other.sock")])
+        assert nothing == b"" and second.wait(20) == 1
+        second.stderr.close()  # type: ignore[union-attr]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        proc.stderr.close()  # type: ignore[union-attr]

@@ -14,10 +14,10 @@ from typing import Any, Iterator
 
 
 class DaemonProc:
-    """One ``python -m udpverbs.daemon`` on a loopback address, ephemeral UDP port."""
+    """One ``python -m udpverbs.daemon`` on a loopback address, on an ephemeral UDP port unless ``port`` names one."""
 
     def __init__(self, name: str, addr: str, runtime_dir: str, *, mtu: int | None = 1472, seed: int = 1,
-                 extra: tuple[str, ...] = (), preexec_fn: Any = None) -> None:
+                 extra: tuple[str, ...] = (), preexec_fn: Any = None, port: int = 0) -> None:
         self.name = name
         self.addr = addr
         self.socket_path = os.path.join(runtime_dir, f"{name}.sock")
@@ -25,7 +25,8 @@ class DaemonProc:
         self.seed = seed
         self.extra = extra
         self.preexec_fn = preexec_fn  # e.g. to lower the daemon's fd limit
-        self.port = 0
+        self.requested_port = port  # 0: the daemon picks a free one at each start
+        self.port = 0  # the one it bound, once started
         self.proc: subprocess.Popen[bytes] | None = None
         self._final_log: str | None = None
         self.log = tempfile.NamedTemporaryFile(prefix=f"udpverbsd-{name}-", suffix=".log", delete=False)
@@ -35,7 +36,7 @@ class DaemonProc:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "udpverbs.daemon", "--name", self.name, "--addr", self.addr,
-                 "--port", "0", "--socket", self.socket_path, "--seed", str(self.seed),
+                 "--port", str(self.requested_port), "--socket", self.socket_path, "--seed", str(self.seed),
                  "--ready-fd", str(w), *(("--mtu", str(self.mtu)) if self.mtu else ()), *self.extra],
                 pass_fds=(w,), stdout=self.log, stderr=self.log, preexec_fn=self.preexec_fn,
             )
