@@ -268,7 +268,9 @@ class Context(Resource):
     """An open device: the connection to the local daemon (``ibv_context``).
 
     Args:
-        name: device name (default ``$UDPVERBS_DEVICE`` or ``uv0``).
+        name: device name (default ``$UDPVERBS_DEVICE`` or ``uv0``), or the
+            path of its daemon's control socket (any name with a ``/``:
+            ``./uvA.sock``, ``/tmp/d/uvA.sock``).
         socket_path: connect here instead of the runtime directory's socket.
         timeout_s: how long a control request may take.
 
@@ -283,8 +285,9 @@ class Context(Resource):
         super().__init__()
         if isinstance(name, bytes):
             name = name.decode()
-        self.name = name or os.environ.get("UDPVERBS_DEVICE") or "uv0"
-        self.socket_path = socket_path or ctl.socket_path(self.name)
+        device = name or os.environ.get("UDPVERBS_DEVICE") or "uv0"
+        self.name = ctl.device_name(device)
+        self.socket_path = socket_path or ctl.socket_path(device)
         self.timeout_s = timeout_s
         self._ctl = _Control(self.socket_path, timeout_s)
         try:

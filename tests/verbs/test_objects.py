@@ -65,6 +65,16 @@ def test_device_list_and_queries(ctx, daemon) -> None:
         ctx.query_port(2)
 
 
+def test_a_device_is_named_by_its_name_or_its_socket_path(daemon, monkeypatch) -> None:
+    monkeypatch.chdir(os.path.dirname(daemon.socket_path))
+    for name in ("uv0", daemon.socket_path, "./uv0.sock", daemon.socket_path.encode()):
+        with verbs.Context(name=name) as c:
+            assert c.name == "uv0" and c.socket_path.endswith("uv0.sock") and c.query_port().lid == daemon.port
+    monkeypatch.setenv("UDPVERBS_DEVICE", daemon.socket_path)
+    with verbs.Context() as c:
+        assert c.name == "uv0" and c.query_port().lid == daemon.port
+
+
 def test_no_daemon_is_enodev(tmp_path) -> None:
     with pytest.raises(verbs.VerbsError) as e:
         verbs.Context(socket_path=str(tmp_path / "none.sock"))
