@@ -40,8 +40,21 @@ RECHECK_S = 0.01  #: bounded sleep: covers a wake-up lost to store/load reorderi
 EMPTY_POLLS = 1024
 
 
+#: value -> enum member, for the fields a WC shows by name (a dict lookup
+#: is a fraction of what calling the enum class costs on the poll path)
+_STATUS = {int(m): m for m in shm.WcStatus}
+_OPCODE = {int(m): m for m in shm.WcOpcode}
+_FLAGS = {v: shm.WcFlags(v) for v in range(1 << len(shm.WcFlags))}
+_status, _opcode, _flags = _STATUS.get, _OPCODE.get, _FLAGS.get
+
+
 class WC:
-    """A work completion (``ibv_wc``)."""
+    """A work completion (``ibv_wc``).
+
+    ``status``, ``opcode`` and ``wc_flags`` are ``WcStatus``, ``WcOpcode``
+    and ``WcFlags`` members: ints that compare equal to the ``IBV_WC_*``
+    constants and print as numbers, with ``.name`` and a repr that name them.
+    """
 
     __slots__ = ("wr_id", "status", "opcode", "vendor_err", "byte_len", "qp_num", "src_qp", "imm_data",
                  "wc_flags", "pkey_index", "slid", "sl", "dlid_path_bits")
@@ -49,14 +62,14 @@ class WC:
     def __init__(self, wr_id: int = 0, status: int = 0, opcode: int = 0, vendor_err: int = 0, byte_len: int = 0,
                  qp_num: int = 0, src_qp: int = 0, imm_data: int = 0, wc_flags: int = 0) -> None:
         self.wr_id = wr_id
-        self.status = status
-        self.opcode = opcode
+        self.status = _status(status, status)
+        self.opcode = _opcode(opcode, opcode)
         self.vendor_err = vendor_err
         self.byte_len = byte_len
         self.qp_num = qp_num
         self.src_qp = src_qp
         self.imm_data = imm_data
-        self.wc_flags = wc_flags
+        self.wc_flags = _flags(wc_flags, wc_flags)
         self.pkey_index = 0
         self.slid = 0
         self.sl = 0
@@ -68,9 +81,15 @@ class WC:
         return self.imm_data
 
     def __repr__(self) -> str:
-        st = shm.WcStatus(self.status).name if self.status in shm.WcStatus._value2member_map_ else self.status
-        return (f"WC(wr_id={self.wr_id}, status={st}, opcode={self.opcode}, byte_len={self.byte_len}, "
-                f"qp_num={self.qp_num}, src_qp={self.src_qp}, imm_data={self.imm_data}, wc_flags={self.wc_flags})")
+        return (f"WC(wr_id={self.wr_id}, status={_name(self.status)}, opcode={_name(self.opcode)}, "
+                f"byte_len={self.byte_len}, qp_num={self.qp_num}, src_qp={self.src_qp}, imm_data={self.imm_data}, "
+                f"wc_flags={_name(self.wc_flags)})")
+
+
+def _name(value: Any) -> str:
+    """An enum member's name (flags joined by ``|``, none as ``0``); any other value as a number."""
+    name = getattr(value, "name", None)
+    return name if name else str(int(value))
 
 
 class CompChannel(Resource):

@@ -20,6 +20,7 @@ gr=GlobalRoute(dgid=...))`` when moving a QP to RTR.
 
 from __future__ import annotations
 
+import enum
 import errno
 import glob
 import mmap
@@ -232,7 +233,8 @@ class _Attrs:
         self.__dict__.update(kw)
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        body = ", ".join(f"{k}={v.name if isinstance(v, enum.Enum) and v.name else repr(v)}"
+                         for k, v in self.__dict__.items())
         return f"{type(self).__name__}({body})"
 
 
@@ -245,7 +247,10 @@ class PortAttr(_Attrs):
 
 
 class AsyncEvent(_Attrs):
-    """``event_type`` (IBV_EVENT_*) and ``element`` (QPN or CQ handle)."""
+    """``event_type`` (an ``EventType`` member: IBV_EVENT_*) and ``element`` (QPN or CQ handle)."""
+
+
+_EVENT_TYPES = {int(m): m for m in shm.EventType}
 
 
 class Device(_Attrs):
@@ -374,12 +379,13 @@ class Context(Resource):
         r = self._async
         if r.available():
             e = r.peek()
-            ev = AsyncEvent(event_type=int(e.event_type), element=int(e.element))
+            kind = int(e.event_type)
+            ev = AsyncEvent(event_type=_EVENT_TYPES.get(kind, kind), element=int(e.element))
             r.pop()
             return ev
         if self._fatal_pending:
             self._fatal_pending = False
-            return AsyncEvent(event_type=int(shm.EventType.IBV_EVENT_DEVICE_FATAL), element=0)
+            return AsyncEvent(event_type=shm.EventType.IBV_EVENT_DEVICE_FATAL, element=0)
         return None
 
     # -- the daemon's death --------------------------------------------------------

@@ -21,6 +21,7 @@ GID (``query_gid()``, the daemon's IPv4 address mapped into IPv6).
 
 from __future__ import annotations
 
+import enum
 import errno
 import mmap
 import os
@@ -106,9 +107,33 @@ class AHAttr:
     def dgid(self) -> GID | None:
         return self.gr.dgid
 
+    def __repr__(self) -> str:
+        return f"AHAttr(dlid={self.dlid}, dgid={self.gr.dgid!r})"
+
+
+#: the QPAttr fields that are enums in libibverbs, shown by name
+_ENUM_FIELDS: dict[str, type[enum.IntEnum] | type[enum.IntFlag]] = {
+    "qp_state": S, "cur_qp_state": S, "qp_access_flags": shm.AccessFlags}
+
+
+def _shown(field: str, v: Any) -> str:
+    """``v`` by name if ``field`` is an enum and ``v`` one of its values (flags joined by ``|``), else its repr."""
+    kind = _ENUM_FIELDS.get(field)
+    if kind is not None and type(v) in (int, kind):
+        try:
+            return kind(v).name or "0"  # a flag set of none has no name
+        except ValueError:
+            pass
+    return repr(v)
+
 
 class QPAttr:
-    """``ibv_qp_attr`` (the fields RC uses)."""
+    """``ibv_qp_attr`` (the fields RC uses).
+
+    From ``QP.query()``, ``qp_state`` and ``cur_qp_state`` are ``QPState``
+    members and ``qp_access_flags`` an ``AccessFlags``: ints that compare
+    equal to the ``IBV_*`` constants, shown by name in the repr.
+    """
 
     def __init__(self, qp_state: int = S.IBV_QPS_RESET, cur_qp_state: int = S.IBV_QPS_RESET, **kw: Any) -> None:
         self.qp_state = qp_state
@@ -133,6 +158,11 @@ class QPAttr:
             if not hasattr(self, k):
                 raise UserError(f"QPAttr has no attribute {k!r}")
             setattr(self, k, v)
+
+    def __repr__(self) -> str:
+        # The states and access flags by name; int() of any of them is the C value.
+        body = ", ".join(f"{k}={_shown(k, v)}" for k, v in self.__dict__.items() if k not in ("ah_attr", "cap"))
+        return f"QPAttr({body}, ah_attr={self.ah_attr!r}, cap={self.cap!r})"
 
     def _wire(self) -> dict[str, Any]:
         gid = self.ah_attr.gr.dgid
@@ -346,7 +376,7 @@ class QP(Resource):
         self._check_open()
         self.ctx.call(Op.MODIFY_QP, qp_num=self.qp_num, attr_mask=int(attr_mask), **qp_attr._wire())
         if attr_mask & M.IBV_QP_STATE:
-            self.qp_state = qp_attr.qp_state
+            self.qp_state = S(qp_attr.qp_state)
 
     def query(self, attr_mask: int = 0) -> tuple[QPAttr, QPInitAttr]:
         """``ibv_query_qp``: the current attributes (all of them, whatever the mask)."""
@@ -356,9 +386,11 @@ class QP(Resource):
         for f in ctl.QP_ATTR_FIELDS:
             if f not in ("dgid", "dlid"):
                 setattr(attr, f, getattr(r, f))
+        attr.qp_state, attr.cur_qp_state = S(r.qp_state), S(r.cur_qp_state)
+        attr.qp_access_flags = shm.AccessFlags(r.qp_access_flags)
         attr.ah_attr = AHAttr(dlid=r.dlid, gr=GlobalRoute(dgid=GID(r.dgid)))
         attr.cap = QPCap(r.max_send_wr, r.max_recv_wr, r.max_send_sge, r.max_recv_sge, r.max_inline_data)
-        self.qp_state = r.qp_state
+        self.qp_state = attr.qp_state
         init = QPInitAttr(qp_type=self.qp_type, scq=self.scq, rcq=self.rcq, cap=attr.cap, sq_sig_all=r.sq_sig_all)
         return attr, init
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import tempfile
 
@@ -14,12 +15,18 @@ from udpverbs.verbs.enums import (
     IBV_ACCESS_REMOTE_WRITE,
     IBV_QP_PORT,
     IBV_QP_STATE,
+    IBV_QPS_ERR,
     IBV_QPS_INIT,
     IBV_QPS_RESET,
     IBV_QPS_RTS,
     IBV_QPT_RC,
     IBV_QPT_UD,
+    IBV_SEND_SIGNALED,
+    IBV_WC_RDMA_WRITE,
+    IBV_WC_SUCCESS,
+    IBV_WC_WITH_IMM,
     IBV_WR_RDMA_WRITE,
+    IBV_WR_RDMA_WRITE_WITH_IMM,
 )
 
 from ..integration.daemons import DaemonProc
@@ -197,3 +204,38 @@ def test_send_queue_full_is_enomem(daemon) -> None:
         with pytest.raises(verbs.VerbsError) as e:
             qp.post_send(wr)
         assert e.value.error_code == errno.ENOMEM
+
+
+def _loopback_pair(c: verbs.Context, **cap: int) -> tuple[verbs.PD, verbs.CQ, verbs.QP, verbs.QP]:
+    """Two QPs of one daemon, connected to each other through its own address (both complete into one CQ)."""
+    pd, cq, qp = _qp(c, **cap)
+    peer = verbs.QP(pd, verbs.QPInitAttr(qp_type=IBV_QPT_RC, scq=cq, rcq=cq, cap=verbs.QPCap(**cap)))
+    for me, other in ((qp, peer), (peer, qp)):
+        a = verbs.QPAttr(dest_qp_num=other.qp_num, qp_access_flags=IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)
+        a.ah_attr = verbs.AHAttr(dlid=c.query_port().lid, gr=verbs.GlobalRoute(dgid=c.query_gid()))
+        me.to_rts(a)
+    return pd, cq, qp, peer
+
+
+def test_completions_and_qp_states_print_by_name_and_compare_as_ints(ctx) -> None:
+    pd, cq, qp, peer = _loopback_pair(ctx)
+    mr = verbs.MR(pd, 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)
+    peer.post_recv(verbs.RecvWR(wr_id=2))
+    wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE_WITH_IMM, imm_data=5, sg=[verbs.SGE(mr.buf, 8, mr.lkey)],
+                      send_flags=IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(mr.rkey, mr.buf + 8)
+    qp.post_send(wr)
+    wcs = {wc.wr_id: wc for wc in cq.poll_blocking(2, timeout=10)}
+    send, recv = wcs[1], wcs[2]
+    assert repr(send).startswith("WC(wr_id=1, status=IBV_WC_SUCCESS, opcode=IBV_WC_RDMA_WRITE, ")
+    assert "opcode=IBV_WC_RECV_RDMA_WITH_IMM" in repr(recv) and "wc_flags=IBV_WC_WITH_IMM)" in repr(recv)
+    assert send.status == IBV_WC_SUCCESS == 0 and send.opcode == IBV_WC_RDMA_WRITE and send.status.name == "IBV_WC_SUCCESS"
+    assert recv.wc_flags & IBV_WC_WITH_IMM and isinstance(recv.opcode, int)
+    assert f"{send.status} {send.opcode:d}" == "0 1" and json.dumps([send.status]) == "[0]"  # still numbers as text
+    attr, _ = qp.query()
+    assert attr.qp_state == IBV_QPS_RTS and attr.qp_state.name == "IBV_QPS_RTS" and qp.qp_state.name == "IBV_QPS_RTS"
+    assert "qp_state=IBV_QPS_RTS," in repr(attr)
+    assert "qp_access_flags=IBV_ACCESS_LOCAL_WRITE|IBV_ACCESS_REMOTE_WRITE," in repr(attr)
+    qp.modify(verbs.QPAttr(qp_state=IBV_QPS_ERR), IBV_QP_STATE)
+    assert qp.qp_state.name == "IBV_QPS_ERR"
+    assert "qp_state=IBV_QPS_INIT," in repr(verbs.QPAttr(qp_state=IBV_QPS_INIT))  # the constants are plain ints
