@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import tempfile
 
 import pytest
@@ -239,3 +240,36 @@ def test_completions_and_qp_states_print_by_name_and_compare_as_ints(ctx) -> Non
     qp.modify(verbs.QPAttr(qp_state=IBV_QPS_ERR), IBV_QP_STATE)
     assert qp.qp_state.name == "IBV_QPS_ERR"
     assert "qp_state=IBV_QPS_INIT," in repr(verbs.QPAttr(qp_state=IBV_QPS_INIT))  # the constants are plain ints
+
+
+def test_an_mr_as_a_numpy_array_shares_the_region(ctx) -> None:
+    np = pytest.importorskip("numpy")
+    pd, cq, qp, _ = _loopback_pair(ctx)
+    mr = verbs.MR(pd, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)
+    words = mr.ndarray(np.uint32, (4, 8), offset=64)
+    assert words.shape == (4, 8) and words.flags.writeable and mr.ndarray().shape == (4096,)
+    words[1, 2] = 0xDEADBEEF  # the application writes through the array ...
+    assert mr.read(4, 64 + 40) == (0xDEADBEEF).to_bytes(4, "little")
+    # ... and an RDMA Write into the region shows in it, with no copy anywhere.
+    mr.write((7).to_bytes(4, "little") * 8, offset=2048)
+    wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(mr.buf + 2048, 32, mr.lkey)],
+                      send_flags=IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(mr.rkey, mr.buf + 64 + 3 * 32)
+    qp.post_send(wr)
+    (wc,) = cq.poll_blocking(1, timeout=10)
+    assert wc.status == IBV_WC_SUCCESS and words[3].tolist() == [7] * 8
+    doubles = mr.ndarray("<f8", 3, offset=4096 - 24)
+    doubles[:] = [0.5, 1.5, 2.5]
+    assert np.frombuffer(mr.mv, dtype="<f8")[-3:].tolist() == [0.5, 1.5, 2.5]  # the buffer-protocol route
+    for shape, offset in (((4, 8), 4096 - 127), (513, 0), (1, -8), ((-1,), 0)):
+        with pytest.raises(verbs.UserError):
+            mr.ndarray(np.uint64, shape, offset)
+    mr.close()  # with arrays alive: the memory stays mapped while they live
+    assert words[1, 2] == 0xDEADBEEF
+
+
+def test_mr_ndarray_without_numpy_says_how_to_get_it(ctx, monkeypatch) -> None:
+    mr = verbs.MR(verbs.PD(ctx), 64, IBV_ACCESS_LOCAL_WRITE)
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy now raises ImportError
+    with pytest.raises(verbs.UserError, match="pip install numpy"):
+        mr.ndarray()
