@@ -22,6 +22,7 @@ import errno
 import mmap
 import os
 import select
+import threading
 import time
 from typing import Any
 
@@ -183,6 +184,10 @@ class CQ(Resource):
         finally:
             os.close(fd)
         self._ring = shm.Ring(self._mm, 0, "struct uv_cqe", rep.entries)
+        # The consumer index is private to this process and moved by
+        # read-modify-write: polls from several threads take turns, so that
+        # each completion goes to one of them.
+        self._lock = threading.Lock()
         self.ctx = ctx
         self.handle = rep.cq_handle
         self.cqe = rep.cqe
@@ -208,17 +213,22 @@ class CQ(Resource):
         if num_entries < 0:
             raise UserError(f"poll(num_entries={num_entries}): a count is not negative")
         ring = self._ring
-        n = min(ring.available(), num_entries)
         out = []
-        if n:
-            buf = ring.buf
-            unpack = shm.CQE.unpack_from
-            for i in range(n):
-                wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, src_qp, wc_flags = unpack(
-                    buf, ring.slot_offset(i))
-                out.append(WC(wr_id, status, opcode, vendor_err, byte_len, qp_num, src_qp, imm_data, wc_flags))
-            ring.pop(n)
-        elif num_entries:
+        lock = self._lock
+        lock.acquire()
+        try:
+            n = min(ring.available(), num_entries)
+            if n:
+                buf = ring.buf
+                unpack = shm.CQE.unpack_from
+                for i in range(n):
+                    wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, src_qp, wc_flags = unpack(
+                        buf, ring.slot_offset(i))
+                    out.append(WC(wr_id, status, opcode, vendor_err, byte_len, qp_num, src_qp, imm_data, wc_flags))
+                ring.pop(n)
+        finally:
+            lock.release()
+        if not n and num_entries:
             # Nothing there: now and then (one system call per EMPTY_POLLS
             # empty polls) look whether the daemon is gone, so that a
             # busy-polling loop ends instead of spinning for ever.

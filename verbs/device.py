@@ -8,7 +8,10 @@ context page (``need_wakeup`` flag + async-event ring) and two eventfds: the
 doorbell it rings after posting when the daemon sleeps, and the async-event
 fd.  Every other object (PD, MR, CQ, QP, CompChannel) is created through
 the same connection, one synchronous request/reply at a time, like
-libibverbs' ioctl path.  Objects form a tree (``Resource``): closing a parent
+libibverbs' ioctl path; threads take turns on it (``_Control``'s lock), so
+control verbs may be called from several threads.  Posting and polling
+take a lock per ring (qp.py, cq.py); ``get_async_event`` is for one thread
+at a time.  Objects form a tree (``Resource``): closing a parent
 closes its children first, ``close()`` is safe twice, and every object is a
 context manager.
 

@@ -8,7 +8,7 @@ segment, which holds the send and receive rings.  ``post_send`` /
 layout), publish the producer index, and ring the doorbell only if the
 daemon said it sleeps (``need_wakeup``): posting never blocks and costs no
 syscall while the daemon is busy.  A full ring raises ENOMEM, like
-``ibv_post_send``.
+``ibv_post_send``.  Threads posting to one queue take turns on its lock.
 
 ``modify`` / ``query`` go to the daemon, which owns the state machine (IB
 §11.2.5.2: RESET -> INIT -> RTR -> RTS, SQD, ERR; an invalid transition or
@@ -26,6 +26,7 @@ import errno
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
@@ -285,13 +286,15 @@ def _inline_data(sg: list[Any], n: int) -> bytes:
     return b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)) for s in sg[:n])
 
 
-def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> None:
-    """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ) and ring the doorbell once."""
+def post_recv_ring(ctx: Any, rq: shm.Ring, lock: threading.Lock, wr: RecvWR | None, max_sge: int) -> None:
+    """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ), holding
+    ``lock`` (the ring's), and ring the doorbell once."""
     if ctx._dead:
         ctx._check_alive("post_recv")
     posted = 0
     buf = rq.buf
     head, sg_offset = shm.RECV_WQE_HEAD, shm.RECV_WQE_SG_OFFSET
+    lock.acquire()
     try:
         while wr is not None:
             n = wr.num_sge
@@ -316,6 +319,7 @@ def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> N
         if posted:
             rq.publish()
             ctx.ring_doorbell()
+        lock.release()
 
 
 class QP(Resource):
@@ -353,6 +357,11 @@ class QP(Resource):
             os.close(fds[0])
         self._sq = shm.Ring(self._mm, layout.sq_offset, "struct uv_send_wqe", rep.sq_entries)
         self._rq = shm.Ring(self._mm, layout.rq_offset, "struct uv_recv_wqe", rep.rq_entries)
+        # A ring's producer index is private to this process and moved by
+        # read-modify-write: two threads posting at once would fill one slot
+        # twice, so each ring's posts take turns (as libibverbs' per-QP locks).
+        self._sq_lock = threading.Lock()
+        self._rq_lock = threading.Lock()
         self.ctx = ctx
         self.pd = pd
         self.qp_num = rep.qp_num
@@ -436,6 +445,8 @@ class QP(Resource):
         head, sg_offset = shm.SEND_WQE_HEAD, shm.SEND_WQE_SG_OFFSET
         cap = self.cap
         posted = 0
+        lock = self._sq_lock
+        lock.acquire()
         try:
             while wr is not None:
                 n = wr.num_sge
@@ -481,6 +492,7 @@ class QP(Resource):
             if posted:
                 sq.publish()
                 self.ctx.ring_doorbell()
+            lock.release()
 
     def post_recv(self, wr: RecvWR, bad_wr: Any = None) -> None:
         """Post a chain of receive WRs.  Never blocks.
@@ -497,7 +509,7 @@ class QP(Resource):
             raise VerbsError("post_recv on a QP in RESET", errno.EINVAL)
         if self.srq is not None:
             raise VerbsError("this QP receives from its SRQ: post to the SRQ", errno.EINVAL)
-        post_recv_ring(self.ctx, self._rq, wr, self.cap.max_recv_sge)
+        post_recv_ring(self.ctx, self._rq, self._rq_lock, wr, self.cap.max_recv_sge)
 
     def _release(self) -> None:
         for cq in (self.scq, self.rcq):

@@ -25,16 +25,6 @@ from udpverbs.verbs.enums import (
 from .conftest import Side
 
 
-@pytest.fixture
-def sides(daemons):
-    a, b = Side(daemons[0]), Side(daemons[1])
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
-
-
 def _accept_in_thread(listener: verbs.CMListener, qp: verbs.QP, reply: bytes, out: dict) -> threading.Thread:
     def run() -> None:
         try:
