@@ -13,8 +13,10 @@ iWARP connects a QP with MPA Request/Reply on a fresh TCP stream (RFC 5044
     reply (RTS) ◄──
 
 A request for a service port nobody listens on, or one the application
-rejects, comes back as REJECT and the active side's CM_CONNECT fails with
-ECONNREFUSED (carrying the peer's private data).  IRD/ORD are negotiated as
+rejects, comes back as REJECT; the active side's CM_CONNECT fails with
+ECONNREFUSED for the first (as TCP's connect to a closed port) and
+ECONNABORTED for the second, carrying the peer's private data.  Neither
+touches the QP, which may connect again.  IRD/ORD are negotiated as
 MPA v2 does (RFC 6581 §5): each side's ORD is capped by the other's IRD.
 Disconnect moves both QPs to ERR, which flushes them.
 
@@ -322,8 +324,10 @@ class ConnectionManager:
         if ans is None:
             raise TableError(errno.ETIMEDOUT, f"no answer from {ip}:{req.udp_port} before the timeout")
         if isinstance(ans, wcm.Reject):
+            if ans.reason == wcm.RejectReason.REFUSED_BY_APP:
+                # Its own errno: the application said no, where ECONNREFUSED means nobody listens (yet).
+                raise CmError(errno.ECONNABORTED, "connection rejected by the peer application", ans.private_data)
             why = {wcm.RejectReason.NO_LISTENER: f"nobody listens on service port {req.port}",
-                   wcm.RejectReason.REFUSED_BY_APP: "rejected by the peer application",
                    wcm.RejectReason.NO_RESOURCES: "the peer has no resources",
                    }.get(ans.reason, "rejected")
             raise CmError(errno.ECONNREFUSED, f"connection refused: {why}", ans.private_data)

@@ -50,7 +50,7 @@ async def main():
             wr.set_wr_rdma(mr_b.rkey, mr_b.buf + i * 65536)
             qp_a.post_send(wr)
         wcs = await cq_a.poll_async(8, timeout=30)
-        print([(wc.wr_id, wc.status) for wc in wcs])
+        print([(wc.wr_id, wc.status.name) for wc in wcs])
 
 
 trio.run(main)

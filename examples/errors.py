@@ -54,11 +54,11 @@ wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(mr_a.buf, 8, 
 wr.set_wr_rdma(mr_b.rkey, mr_b.buf)
 qp_a.post_send(wr)
 (wc,) = cq_a.poll_blocking(1, timeout=10)
-print("data path:", WcStatus(wc.status).name, "and QP A is now", QPState(qp_a.query()[0].qp_state).name)
+print("data path:", wc.status.name, "and QP A is now", qp_a.query()[0].qp_state.name)
 
 # Asynchronous events: both QPs were hit.
 for side, ctx in (("A", ctx_a), ("B", ctx_b)):
     ev = ctx.get_async_event(timeout=5)
-    print(f"async event on {side}:", EventType(ev.event_type).name, "QPN", ev.element)
+    print(f"async event on {side}:", ev.event_type.name, "QPN", ev.element)
 ctx_a.close()
 ctx_b.close()

@@ -16,13 +16,13 @@ from .cm import CMListener, ConnParam, ConnRequest, connect, connect_async, disc
 from .cq import CQ, WC, CompChannel
 from .device import GID, AsyncEvent, Context, DeviceAttr, PortAttr, get_device_list
 from .group import Group, GroupError
-from .errors import PyverbsRDMAError, PyverbsUserError, UserError, VerbsError
+from .errors import ConnectionRejected, PyverbsRDMAError, PyverbsUserError, UserError, VerbsError
 from .pd import MR, PD
 from .qp import QP, SGE, AHAttr, GlobalRoute, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR
 from .srq import SRQ, SrqAttr, SrqInitAttr
 
 __all__ = [
-    "AHAttr", "AsyncEvent", "CMListener", "CQ", "CompChannel", "ConnParam", "ConnRequest", "Context",
+    "AHAttr", "AsyncEvent", "CMListener", "CQ", "CompChannel", "ConnParam", "ConnRequest", "ConnectionRejected", "Context",
     "DeviceAttr", "GID", "GlobalRoute", "Group", "GroupError", "MR", "PD", "PortAttr", "PyverbsRDMAError", "PyverbsUserError", "QP",
     "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "SGE", "SRQ", "SendWR", "SrqAttr", "SrqInitAttr", "UserError", "VerbsError", "WC", "cm",
     "connect", "connect_async", "disconnect", "enums", "get_device_list",

@@ -22,6 +22,7 @@ import errno
 import mmap
 import os
 import select
+import threading
 import time
 from typing import Any
 
@@ -40,8 +41,21 @@ RECHECK_S = 0.01  #: bounded sleep: covers a wake-up lost to store/load reorderi
 EMPTY_POLLS = 1024
 
 
+#: value -> enum member, for the fields a WC shows by name (a dict lookup
+#: is a fraction of what calling the enum class costs on the poll path)
+_STATUS = {int(m): m for m in shm.WcStatus}
+_OPCODE = {int(m): m for m in shm.WcOpcode}
+_FLAGS = {v: shm.WcFlags(v) for v in range(1 << len(shm.WcFlags))}
+_status, _opcode, _flags = _STATUS.get, _OPCODE.get, _FLAGS.get
+
+
 class WC:
-    """A work completion (``ibv_wc``)."""
+    """A work completion (``ibv_wc``).
+
+    ``status``, ``opcode`` and ``wc_flags`` are ``WcStatus``, ``WcOpcode``
+    and ``WcFlags`` members: ints that compare equal to the ``IBV_WC_*``
+    constants and print as numbers, with ``.name`` and a repr that name them.
+    """
 
     __slots__ = ("wr_id", "status", "opcode", "vendor_err", "byte_len", "qp_num", "src_qp", "imm_data",
                  "wc_flags", "pkey_index", "slid", "sl", "dlid_path_bits")
@@ -49,14 +63,14 @@ class WC:
     def __init__(self, wr_id: int = 0, status: int = 0, opcode: int = 0, vendor_err: int = 0, byte_len: int = 0,
                  qp_num: int = 0, src_qp: int = 0, imm_data: int = 0, wc_flags: int = 0) -> None:
         self.wr_id = wr_id
-        self.status = status
-        self.opcode = opcode
+        self.status = _status(status, status)
+        self.opcode = _opcode(opcode, opcode)
         self.vendor_err = vendor_err
         self.byte_len = byte_len
         self.qp_num = qp_num
         self.src_qp = src_qp
         self.imm_data = imm_data
-        self.wc_flags = wc_flags
+        self.wc_flags = _flags(wc_flags, wc_flags)
         self.pkey_index = 0
         self.slid = 0
         self.sl = 0
@@ -68,9 +82,15 @@ class WC:
         return self.imm_data
 
     def __repr__(self) -> str:
-        st = shm.WcStatus(self.status).name if self.status in shm.WcStatus._value2member_map_ else self.status
-        return (f"WC(wr_id={self.wr_id}, status={st}, opcode={self.opcode}, byte_len={self.byte_len}, "
-                f"qp_num={self.qp_num}, src_qp={self.src_qp}, imm_data={self.imm_data}, wc_flags={self.wc_flags})")
+        return (f"WC(wr_id={self.wr_id}, status={_name(self.status)}, opcode={_name(self.opcode)}, "
+                f"byte_len={self.byte_len}, qp_num={self.qp_num}, src_qp={self.src_qp}, imm_data={self.imm_data}, "
+                f"wc_flags={_name(self.wc_flags)})")
+
+
+def _name(value: Any) -> str:
+    """An enum member's name (flags joined by ``|``, none as ``0``); any other value as a number."""
+    name = getattr(value, "name", None)
+    return name if name else str(int(value))
 
 
 class CompChannel(Resource):
@@ -164,6 +184,10 @@ class CQ(Resource):
         finally:
             os.close(fd)
         self._ring = shm.Ring(self._mm, 0, "struct uv_cqe", rep.entries)
+        # The consumer index is private to this process and moved by
+        # read-modify-write: polls from several threads take turns, so that
+        # each completion goes to one of them.
+        self._lock = threading.Lock()
         self.ctx = ctx
         self.handle = rep.cq_handle
         self.cqe = rep.cqe
@@ -189,17 +213,22 @@ class CQ(Resource):
         if num_entries < 0:
             raise UserError(f"poll(num_entries={num_entries}): a count is not negative")
         ring = self._ring
-        n = min(ring.available(), num_entries)
         out = []
-        if n:
-            buf = ring.buf
-            unpack = shm.CQE.unpack_from
-            for i in range(n):
-                wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, src_qp, wc_flags = unpack(
-                    buf, ring.slot_offset(i))
-                out.append(WC(wr_id, status, opcode, vendor_err, byte_len, qp_num, src_qp, imm_data, wc_flags))
-            ring.pop(n)
-        elif num_entries:
+        lock = self._lock
+        lock.acquire()
+        try:
+            n = min(ring.available(), num_entries)
+            if n:
+                buf = ring.buf
+                unpack = shm.CQE.unpack_from
+                for i in range(n):
+                    wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, src_qp, wc_flags = unpack(
+                        buf, ring.slot_offset(i))
+                    out.append(WC(wr_id, status, opcode, vendor_err, byte_len, qp_num, src_qp, imm_data, wc_flags))
+                ring.pop(n)
+        finally:
+            lock.release()
+        if not n and num_entries:
             # Nothing there: now and then (one system call per EMPTY_POLLS
             # empty polls) look whether the daemon is gone, so that a
             # busy-polling loop ends instead of spinning for ever.

@@ -8,7 +8,10 @@ context page (``need_wakeup`` flag + async-event ring) and two eventfds: the
 doorbell it rings after posting when the daemon sleeps, and the async-event
 fd.  Every other object (PD, MR, CQ, QP, CompChannel) is created through
 the same connection, one synchronous request/reply at a time, like
-libibverbs' ioctl path.  Objects form a tree (``Resource``): closing a parent
+libibverbs' ioctl path; threads take turns on it (``_Control``'s lock), so
+control verbs may be called from several threads.  Posting and polling
+take a lock per ring (qp.py, cq.py); ``get_async_event`` is for one thread
+at a time.  Objects form a tree (``Resource``): closing a parent
 closes its children first, ``close()`` is safe twice, and every object is a
 context manager.
 
@@ -20,6 +23,7 @@ gr=GlobalRoute(dgid=...))`` when moving a QP to RTR.
 
 from __future__ import annotations
 
+import enum
 import errno
 import glob
 import mmap
@@ -232,7 +236,8 @@ class _Attrs:
         self.__dict__.update(kw)
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        body = ", ".join(f"{k}={v.name if isinstance(v, enum.Enum) and v.name else repr(v)}"
+                         for k, v in self.__dict__.items())
         return f"{type(self).__name__}({body})"
 
 
@@ -245,7 +250,10 @@ class PortAttr(_Attrs):
 
 
 class AsyncEvent(_Attrs):
-    """``event_type`` (IBV_EVENT_*) and ``element`` (QPN or CQ handle)."""
+    """``event_type`` (an ``EventType`` member: IBV_EVENT_*) and ``element`` (QPN or CQ handle)."""
+
+
+_EVENT_TYPES = {int(m): m for m in shm.EventType}
 
 
 class Device(_Attrs):
@@ -268,7 +276,9 @@ class Context(Resource):
     """An open device: the connection to the local daemon (``ibv_context``).
 
     Args:
-        name: device name (default ``$UDPVERBS_DEVICE`` or ``uv0``).
+        name: device name (default ``$UDPVERBS_DEVICE`` or ``uv0``), or the
+            path of its daemon's control socket (any name with a ``/``:
+            ``./uvA.sock``, ``/tmp/d/uvA.sock``).
         socket_path: connect here instead of the runtime directory's socket.
         timeout_s: how long a control request may take.
 
@@ -283,8 +293,9 @@ class Context(Resource):
         super().__init__()
         if isinstance(name, bytes):
             name = name.decode()
-        self.name = name or os.environ.get("UDPVERBS_DEVICE") or "uv0"
-        self.socket_path = socket_path or ctl.socket_path(self.name)
+        device = name or os.environ.get("UDPVERBS_DEVICE") or "uv0"
+        self.name = ctl.device_name(device)
+        self.socket_path = socket_path or ctl.socket_path(device)
         self.timeout_s = timeout_s
         self._ctl = _Control(self.socket_path, timeout_s)
         try:
@@ -371,12 +382,13 @@ class Context(Resource):
         r = self._async
         if r.available():
             e = r.peek()
-            ev = AsyncEvent(event_type=int(e.event_type), element=int(e.element))
+            kind = int(e.event_type)
+            ev = AsyncEvent(event_type=_EVENT_TYPES.get(kind, kind), element=int(e.element))
             r.pop()
             return ev
         if self._fatal_pending:
             self._fatal_pending = False
-            return AsyncEvent(event_type=int(shm.EventType.IBV_EVENT_DEVICE_FATAL), element=0)
+            return AsyncEvent(event_type=shm.EventType.IBV_EVENT_DEVICE_FATAL, element=0)
         return None
 
     # -- the daemon's death --------------------------------------------------------

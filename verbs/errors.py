@@ -26,6 +26,14 @@ class VerbsError(Exception):
         self.private_data = private_data
 
 
+class ConnectionRejected(VerbsError):
+    """The listening application rejected the connection (rdma_cm's
+    RDMA_CM_EVENT_REJECTED with the consumer's reject): ``error_code`` is
+    ECONNABORTED, ``private_data`` the reject's.  Nobody listening raises a
+    plain ``VerbsError`` with ECONNREFUSED instead, as TCP's ``connect`` does,
+    since listening later may still change the answer."""
+
+
 class UserError(Exception):
     """The caller misused the API (as PyverbsUserError)."""
 

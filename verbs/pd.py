@@ -42,8 +42,9 @@ class MR(Resource):
     """A registered memory region (``MR(pd, length, access)``).
 
     Attributes: ``buf`` (address for SGEs and remote_addr), ``lkey``,
-    ``rkey``, ``length``, ``mv`` (a writable memoryview of the region,
-    usable with ``numpy.frombuffer``).
+    ``rkey``, ``length``, ``mv`` (a writable memoryview of the region: any
+    buffer-protocol consumer sees the region's memory itself, e.g.
+    ``numpy.frombuffer(mr.mv, dtype)``; ``ndarray`` does that for you).
     """
 
     def __init__(self, pd: PD, length: int, access: int, address: Any = None, implicit: bool = False) -> None:
@@ -93,6 +94,38 @@ class MR(Resource):
         if offset < 0 or n < 0 or n > len(data) or offset + n > self.length:
             raise UserError("write outside the region")
         self.mv[offset:offset + n] = memoryview(data)[:n]
+
+    def ndarray(self, dtype: Any = "uint8", shape: int | tuple[int, ...] | None = None, offset: int = 0) -> Any:
+        """The region's memory as a numpy array, without a copy.
+
+        Takes a numpy ``dtype``, a ``shape`` (default: as many items as fit
+        from ``offset`` to the end of the region) and a byte ``offset``.
+        Returns a writable array whose items are the region's bytes: what
+        the application writes in it a peer reads, what a peer writes shows
+        in it.  The array stays valid after the MR is closed (the memory
+        stays mapped while the array lives), but is then no longer
+        registered.
+
+        Raises:
+            UserError: numpy is not installed (``pip install numpy``; it is
+                no dependency of udpverbs), or ``shape`` and ``dtype`` from
+                ``offset`` do not fit in the region.
+        """
+        self._check_open()
+        try:
+            import numpy as np
+        except ImportError:
+            raise UserError("MR.ndarray needs numpy, which udpverbs does not install: pip install numpy "
+                            "(mr.mv is the region as a memoryview without it)") from None
+        dt = np.dtype(dtype)
+        if shape is None:
+            shape = (max(0, self.length - offset) // dt.itemsize,) if dt.itemsize else (0,)
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+        if offset < 0 or min(dims, default=0) < 0 or offset + nbytes > self.length:
+            raise UserError(f"an array of shape {dims} of {dt} at offset {offset} does not fit in the "
+                            f"region's {self.length} bytes")
+        return np.frombuffer(self.mv[offset:offset + nbytes], dtype=dt).reshape(dims)
 
     def _release(self) -> None:
         try:

@@ -8,7 +8,7 @@ segment, which holds the send and receive rings.  ``post_send`` /
 layout), publish the producer index, and ring the doorbell only if the
 daemon said it sleeps (``need_wakeup``): posting never blocks and costs no
 syscall while the daemon is busy.  A full ring raises ENOMEM, like
-``ibv_post_send``.
+``ibv_post_send``.  Threads posting to one queue take turns on its lock.
 
 ``modify`` / ``query`` go to the daemon, which owns the state machine (IB
 §11.2.5.2: RESET -> INIT -> RTR -> RTS, SQD, ERR; an invalid transition or
@@ -21,10 +21,12 @@ GID (``query_gid()``, the daemon's IPv4 address mapped into IPv6).
 
 from __future__ import annotations
 
+import enum
 import errno
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
@@ -106,9 +108,33 @@ class AHAttr:
     def dgid(self) -> GID | None:
         return self.gr.dgid
 
+    def __repr__(self) -> str:
+        return f"AHAttr(dlid={self.dlid}, dgid={self.gr.dgid!r})"
+
+
+#: the QPAttr fields that are enums in libibverbs, shown by name
+_ENUM_FIELDS: dict[str, type[enum.IntEnum] | type[enum.IntFlag]] = {
+    "qp_state": S, "cur_qp_state": S, "qp_access_flags": shm.AccessFlags}
+
+
+def _shown(field: str, v: Any) -> str:
+    """``v`` by name if ``field`` is an enum and ``v`` one of its values (flags joined by ``|``), else its repr."""
+    kind = _ENUM_FIELDS.get(field)
+    if kind is not None and type(v) in (int, kind):
+        try:
+            return kind(v).name or "0"  # a flag set of none has no name
+        except ValueError:
+            pass
+    return repr(v)
+
 
 class QPAttr:
-    """``ibv_qp_attr`` (the fields RC uses)."""
+    """``ibv_qp_attr`` (the fields RC uses).
+
+    From ``QP.query()``, ``qp_state`` and ``cur_qp_state`` are ``QPState``
+    members and ``qp_access_flags`` an ``AccessFlags``: ints that compare
+    equal to the ``IBV_*`` constants, shown by name in the repr.
+    """
 
     def __init__(self, qp_state: int = S.IBV_QPS_RESET, cur_qp_state: int = S.IBV_QPS_RESET, **kw: Any) -> None:
         self.qp_state = qp_state
@@ -133,6 +159,11 @@ class QPAttr:
             if not hasattr(self, k):
                 raise UserError(f"QPAttr has no attribute {k!r}")
             setattr(self, k, v)
+
+    def __repr__(self) -> str:
+        # The states and access flags by name; int() of any of them is the C value.
+        body = ", ".join(f"{k}={_shown(k, v)}" for k, v in self.__dict__.items() if k not in ("ah_attr", "cap"))
+        return f"QPAttr({body}, ah_attr={self.ah_attr!r}, cap={self.cap!r})"
 
     def _wire(self) -> dict[str, Any]:
         gid = self.ah_attr.gr.dgid
@@ -255,13 +286,15 @@ def _inline_data(sg: list[Any], n: int) -> bytes:
     return b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)) for s in sg[:n])
 
 
-def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> None:
-    """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ) and ring the doorbell once."""
+def post_recv_ring(ctx: Any, rq: shm.Ring, lock: threading.Lock, wr: RecvWR | None, max_sge: int) -> None:
+    """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ), holding
+    ``lock`` (the ring's), and ring the doorbell once."""
     if ctx._dead:
         ctx._check_alive("post_recv")
     posted = 0
     buf = rq.buf
     head, sg_offset = shm.RECV_WQE_HEAD, shm.RECV_WQE_SG_OFFSET
+    lock.acquire()
     try:
         while wr is not None:
             n = wr.num_sge
@@ -286,6 +319,7 @@ def post_recv_ring(ctx: Any, rq: shm.Ring, wr: RecvWR | None, max_sge: int) -> N
         if posted:
             rq.publish()
             ctx.ring_doorbell()
+        lock.release()
 
 
 class QP(Resource):
@@ -323,6 +357,11 @@ class QP(Resource):
             os.close(fds[0])
         self._sq = shm.Ring(self._mm, layout.sq_offset, "struct uv_send_wqe", rep.sq_entries)
         self._rq = shm.Ring(self._mm, layout.rq_offset, "struct uv_recv_wqe", rep.rq_entries)
+        # A ring's producer index is private to this process and moved by
+        # read-modify-write: two threads posting at once would fill one slot
+        # twice, so each ring's posts take turns (as libibverbs' per-QP locks).
+        self._sq_lock = threading.Lock()
+        self._rq_lock = threading.Lock()
         self.ctx = ctx
         self.pd = pd
         self.qp_num = rep.qp_num
@@ -346,7 +385,7 @@ class QP(Resource):
         self._check_open()
         self.ctx.call(Op.MODIFY_QP, qp_num=self.qp_num, attr_mask=int(attr_mask), **qp_attr._wire())
         if attr_mask & M.IBV_QP_STATE:
-            self.qp_state = qp_attr.qp_state
+            self.qp_state = S(qp_attr.qp_state)
 
     def query(self, attr_mask: int = 0) -> tuple[QPAttr, QPInitAttr]:
         """``ibv_query_qp``: the current attributes (all of them, whatever the mask)."""
@@ -356,9 +395,11 @@ class QP(Resource):
         for f in ctl.QP_ATTR_FIELDS:
             if f not in ("dgid", "dlid"):
                 setattr(attr, f, getattr(r, f))
+        attr.qp_state, attr.cur_qp_state = S(r.qp_state), S(r.cur_qp_state)
+        attr.qp_access_flags = shm.AccessFlags(r.qp_access_flags)
         attr.ah_attr = AHAttr(dlid=r.dlid, gr=GlobalRoute(dgid=GID(r.dgid)))
         attr.cap = QPCap(r.max_send_wr, r.max_recv_wr, r.max_send_sge, r.max_recv_sge, r.max_inline_data)
-        self.qp_state = r.qp_state
+        self.qp_state = attr.qp_state
         init = QPInitAttr(qp_type=self.qp_type, scq=self.scq, rcq=self.rcq, cap=attr.cap, sq_sig_all=r.sq_sig_all)
         return attr, init
 
@@ -404,6 +445,8 @@ class QP(Resource):
         head, sg_offset = shm.SEND_WQE_HEAD, shm.SEND_WQE_SG_OFFSET
         cap = self.cap
         posted = 0
+        lock = self._sq_lock
+        lock.acquire()
         try:
             while wr is not None:
                 n = wr.num_sge
@@ -449,6 +492,7 @@ class QP(Resource):
             if posted:
                 sq.publish()
                 self.ctx.ring_doorbell()
+            lock.release()
 
     def post_recv(self, wr: RecvWR, bad_wr: Any = None) -> None:
         """Post a chain of receive WRs.  Never blocks.
@@ -465,7 +509,7 @@ class QP(Resource):
             raise VerbsError("post_recv on a QP in RESET", errno.EINVAL)
         if self.srq is not None:
             raise VerbsError("this QP receives from its SRQ: post to the SRQ", errno.EINVAL)
-        post_recv_ring(self.ctx, self._rq, wr, self.cap.max_recv_sge)
+        post_recv_ring(self.ctx, self._rq, self._rq_lock, wr, self.cap.max_recv_sge)
 
     def _release(self) -> None:
         for cq in (self.scq, self.rcq):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 from typing import Any
 
 from ..wire import shm
@@ -57,6 +58,7 @@ class SRQ(Resource):
         finally:
             os.close(fds[0])
         self._ring = shm.Ring(self._mm, 0, "struct uv_recv_wqe", rep.max_wr)
+        self._lock = threading.Lock()  # posts from several threads take turns (see QP)
         self.ctx = pd.ctx
         self.pd = pd
         self.handle = rep.srq_handle
@@ -71,7 +73,7 @@ class SRQ(Resource):
             VerbsError: EINVAL (too many SGEs), ENOMEM (the SRQ is full).
         """
         self._check_open()
-        post_recv_ring(self.ctx, self._ring, wr, self.max_sge)
+        post_recv_ring(self.ctx, self._ring, self._lock, wr, self.max_sge)
 
     def modify(self, attr: SrqAttr, attr_mask: int) -> None:
         """``ibv_modify_srq``: (re-)arm the limit event.  Resizing (IBV_SRQ_MAX_WR) raises EINVAL."""

@@ -394,8 +394,22 @@ def runtime_dir() -> str:
 
 
 def socket_path(name: str) -> str:
-    """The control socket of device ``name``: ``<runtime dir>/<name>.sock``."""
+    """The control socket of device ``name``: ``<runtime dir>/<name>.sock``.
+
+    A ``name`` with a ``/`` in it is already a socket's path (``./uvA.sock``,
+    ``/tmp/d/uvA.sock``) and is returned as it is: wherever a device is
+    named, its socket's path may stand instead (device names have no ``/``).
+    """
+    if "/" in name:
+        return name
     return os.path.join(runtime_dir(), f"{name}.sock")
+
+
+def device_name(name: str) -> str:
+    """The device name of ``name``, a device name or a socket path (``socket_path``'s argument)."""
+    if "/" in name:
+        return os.path.basename(name).removesuffix(".sock")
+    return name
 
 
 def private_dir_problem(path: str) -> str | None:

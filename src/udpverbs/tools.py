@@ -54,7 +54,7 @@ def find_sockets(device: str | None = None) -> list[str]:
     """The control sockets to ask: ``device`` (a name, or a path with a
     ``/``), else every ``*.sock`` in the runtime directory."""
     if device:
-        return [device if "/" in device else ctl.socket_path(device)]
+        return [ctl.socket_path(device)]
     return sorted(glob.glob(os.path.join(ctl.runtime_dir(), "*.sock")))
 
 

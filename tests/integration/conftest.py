@@ -59,6 +59,17 @@ def connect_manual(a: Side, qa: verbs.QP, b: Side, qb: verbs.QP, rd: int = 4) ->
 
 
 @pytest.fixture
+def sides(daemons: tuple[DaemonProc, DaemonProc]) -> Iterator[tuple[Side, Side]]:
+    """A Side on each daemon, not connected."""
+    a, b = Side(daemons[0]), Side(daemons[1])
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.fixture
 def pair(daemons: tuple[DaemonProc, DaemonProc]) -> Iterator[tuple[Side, Side]]:
     a, b = Side(daemons[0]), Side(daemons[1])
     try:

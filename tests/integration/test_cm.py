@@ -14,6 +14,7 @@ import trio
 from udpverbs import verbs
 from udpverbs.verbs.enums import (
     IBV_QPS_ERR,
+    IBV_QPS_RESET,
     IBV_QPS_RTS,
     IBV_SEND_SIGNALED,
     IBV_WC_SUCCESS,
@@ -22,16 +23,6 @@ from udpverbs.verbs.enums import (
 )
 
 from .conftest import Side
-
-
-@pytest.fixture
-def sides(daemons):
-    a, b = Side(daemons[0]), Side(daemons[1])
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 def _accept_in_thread(listener: verbs.CMListener, qp: verbs.QP, reply: bytes, out: dict) -> threading.Thread:
@@ -46,6 +37,17 @@ def _accept_in_thread(listener: verbs.CMListener, qp: verbs.QP, reply: bytes, ou
     t = threading.Thread(target=run)
     t.start()
     return t
+
+
+def _write_and_check(a: Side, b: Side, data: bytes) -> None:
+    """RDMA Write ``data`` from A's MR to the start of B's over A's (connected) QP."""
+    a.mr.write(data, len(data), 0)
+    wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(a.mr.buf, len(data), a.mr.lkey)],
+                      send_flags=IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(b.mr.rkey, b.mr.buf)
+    a.qp.post_send(wr)
+    (wc,) = a.cq.poll_blocking(1, timeout=10)
+    assert wc.status == IBV_WC_SUCCESS and b.mr.read(len(data), 0) == data
 
 
 def test_connect_accept_then_write(sides, daemons) -> None:
@@ -65,13 +67,7 @@ def test_connect_accept_then_write(sides, daemons) -> None:
     assert attr_a.qp_state == attr_b.qp_state == IBV_QPS_RTS
     assert attr_a.dest_qp_num == b.qp.qp_num and attr_b.dest_qp_num == a.qp.qp_num
     assert attr_a.max_rd_atomic <= attr_b.max_dest_rd_atomic
-    a.mr.write(b"via cm", 6, 0)
-    wr = verbs.SendWR(wr_id=1, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(a.mr.buf, 6, a.mr.lkey)],
-                      send_flags=IBV_SEND_SIGNALED)
-    wr.set_wr_rdma(b.mr.rkey, b.mr.buf)
-    a.qp.post_send(wr)
-    (wc,) = a.cq.poll_blocking(1, timeout=10)
-    assert wc.status == IBV_WC_SUCCESS and b.mr.read(6, 0) == b"via cm"
+    _write_and_check(a, b, b"via cm")
     # Disconnect: both QPs go to ERR, and what is posted afterwards is flushed.
     verbs.disconnect(a.qp)
     b.qp.post_recv(verbs.RecvWR(wr_id=9))
@@ -85,20 +81,68 @@ def test_no_listener_is_refused(sides, daemons) -> None:
     with pytest.raises(verbs.VerbsError) as e:
         verbs.connect(a.qp, "127.0.0.3", 7999, udp_port=daemons[1].port, timeout=10)
     assert e.value.error_code == errno.ECONNREFUSED and "nobody listens" in str(e.value)
+    assert not isinstance(e.value, verbs.ConnectionRejected)
+
+
+def _reject_in_thread(listener: verbs.CMListener, private_data: bytes) -> threading.Thread:
+    t = threading.Thread(target=lambda: listener.reject(listener.get_request(timeout=10), private_data=private_data))
+    t.start()
+    return t
 
 
 def test_rejected_by_the_application(sides, daemons) -> None:
     a, b = sides
     with verbs.CMListener(b.ctx, port=7002) as lst:
-        def run() -> None:
-            lst.reject(lst.get_request(timeout=10), private_data=b"go away")
-
-        t = threading.Thread(target=run)
-        t.start()
-        with pytest.raises(verbs.VerbsError) as e:
+        t = _reject_in_thread(lst, b"go away")
+        with pytest.raises(verbs.ConnectionRejected) as e:
             verbs.connect(a.qp, "127.0.0.3", 7002, udp_port=daemons[1].port, timeout=10)
         t.join(10)
-    assert e.value.error_code == errno.ECONNREFUSED and e.value.private_data == b"go away"
+    # its own errno, not that of nobody listening
+    assert e.value.error_code == errno.ECONNABORTED and e.value.private_data == b"go away"
+    assert isinstance(e.value, verbs.VerbsError) and "rejected by the peer application" in str(e.value)
+
+
+def test_a_qp_refused_then_rejected_connects_afterwards(sides, daemons) -> None:
+    a, b = sides
+    peer = f"127.0.0.3:{daemons[1].port}"
+    with pytest.raises(verbs.VerbsError) as e:
+        verbs.connect(a.qp, peer, 7012, timeout=10)  # not listening yet
+    assert e.value.error_code == errno.ECONNREFUSED
+    assert a.qp.query()[0].qp_state == IBV_QPS_RESET and a.qp.qp_state == IBV_QPS_RESET
+    with verbs.CMListener(b.ctx, port=7012) as lst:
+        t = _reject_in_thread(lst, b"not now")
+        with pytest.raises(verbs.ConnectionRejected):
+            verbs.connect(a.qp, peer, 7012, timeout=10)
+        t.join(10)
+        assert a.qp.query()[0].qp_state == IBV_QPS_RESET
+        out: dict = {}
+        t = _accept_in_thread(lst, b.qp, b"now", out)
+        conn = verbs.connect(a.qp, peer, 7012, timeout=10)
+        t.join(10)
+    assert "error" not in out, out.get("error")
+    assert conn.private_data == b"now" and conn.remote_qpn == b.qp.qp_num
+    assert a.qp.query()[0].qp_state == IBV_QPS_RTS
+    _write_and_check(a, b, b"third time")
+
+
+def test_the_peer_is_named_as_host_port_or_by_its_gid(sides, daemons) -> None:
+    a, b = sides
+    port = daemons[1].port
+    gid = b.ctx.query_gid()  # as `udpverbs devinfo` prints it: 0000:...:ffff:7f00:0003
+    names = [(f"127.0.0.3:{port}", {}), (gid.gid, {"udp_port": port}), (f"[{gid.gid}]:{port}", {}),
+             (gid, {"udp_port": port}), (f"[::ffff:127.0.0.3]:{port}", {})]
+    with verbs.CMListener(b.ctx, port=7013) as lst:
+        for host, kw in names:
+            qa, qb = a.new_qp(), b.new_qp()
+            out: dict = {}
+            t = _accept_in_thread(lst, qb, b"", out)
+            conn = verbs.connect(qa, host, 7013, timeout=10, **kw)
+            t.join(10)
+            assert "error" not in out, (host, out.get("error"))
+            assert conn.remote_qpn == qb.qp_num and out["req"].remote_qpn == qa.qp_num, host
+    for bad in (f"127.0.0.3:{port + 1}", "127.0.0.3:port", "127.0.0.3:0", f"[{gid.gid}]{port}", f"[{gid.gid}"):
+        with pytest.raises(verbs.UserError):
+            verbs.connect(a.qp, bad, 7013, udp_port=port, timeout=1)
 
 
 def test_listen_twice_on_a_port(sides) -> None:

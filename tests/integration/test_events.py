@@ -38,6 +38,7 @@ def test_cq_overrun_raises_cq_err(daemons) -> None:
             qa.post_send(wr)
         ev = a.ctx.get_async_event(timeout=10)
         assert (ev.event_type, ev.element) == (IBV_EVENT_CQ_ERR, small.handle)
+        assert ev.event_type.name == "IBV_EVENT_CQ_ERR" and "event_type=IBV_EVENT_CQ_ERR," in repr(ev)
         assert small.overrun
         n, wcs = small.poll(4)
         assert n == 2 and [w.wr_id for w in wcs] == [0, 1]  # what fitted is intact

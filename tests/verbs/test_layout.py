@@ -7,6 +7,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from typing import Any
 
 import pytest
@@ -195,12 +196,14 @@ class _Rings:
         self.qp.srq = None
         self.qp._sq = shm.Ring(qbuf, lay.sq_offset, "struct uv_send_wqe", entries, init=True)
         self.qp._rq = shm.Ring(qbuf, lay.rq_offset, "struct uv_recv_wqe", entries, init=True)
+        self.qp._sq_lock, self.qp._rq_lock = threading.Lock(), threading.Lock()
         self.sq = shm.Ring(qbuf, lay.sq_offset, "struct uv_send_wqe", entries)
         self.rq = shm.Ring(qbuf, lay.rq_offset, "struct uv_recv_wqe", entries)
         cbuf = bytearray(shm.ring_bytes(entries, shm.CQE_SIZE))
         self.cq = CQ.__new__(CQ)
         Resource.__init__(self.cq)
         self.cq._ring = shm.Ring(cbuf, 0, "struct uv_cqe", entries)
+        self.cq._lock = threading.Lock()
         self.cqr = shm.Ring(cbuf, 0, "struct uv_cqe", entries, init=True)
 
 
@@ -296,7 +299,7 @@ def test_post_recv_writes_what_the_daemon_reads(wrs: list[tuple[int, list[tuple[
     for wr_id, sgl in reversed(wrs):
         chain = verbs.RecvWR(wr_id=wr_id, sg=[verbs.SGE(*s) for s in sgl], next_wr=chain)
     if srq:  # the SRQ posts through the same routine, into its own ring
-        post_recv_ring(r.ctx, r.qp._rq, chain, 4)
+        post_recv_ring(r.ctx, r.qp._rq, threading.Lock(), chain, 4)
     else:
         r.qp.post_recv(chain)
     assert r.ctx.doorbells == 1 and r.rq.available() == len(wrs)
