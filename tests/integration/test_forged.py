@@ -69,6 +69,7 @@ class Watcher:
         self._prog = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
         self.sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
                              struct.pack("HL", len(prog), ctypes.addressof(self._prog)))
+        self.src = src
 
     def next(self, timeout_s: float) -> wl.LinkHeader | None:
         """The next DATA/ACK/KEEPALIVE header, or None after ``timeout_s``."""
@@ -78,6 +79,11 @@ class Watcher:
             if not r:
                 return None
             pkt = self.sock.recv(65536)
+            # What arrived before the filter was attached is anyone's: another
+            # daemon's tag taken for the peer's made the forgeries miss.
+            ip_src, sport = socket.inet_ntoa(pkt[12:16]), struct.unpack_from("!H", pkt, 20)[0]
+            if (ip_src, sport) != self.src or struct.unpack_from("!H", pkt, 4)[0] == _OURS:
+                continue
             # the first link header (a GSO datagram holds several: the first is enough here)
             f = struct.unpack_from("!BBBBIIIIIHBB", pkt, 28)
             if f[1] in (wl.PacketType.DATA, wl.PacketType.ACK, wl.PacketType.KEEPALIVE):
