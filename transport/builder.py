@@ -163,6 +163,9 @@ class Builder:
     _last_rx_ts: int
     _last_rx_time: float
     _rto_deadline: float | None
+    _pto_deadline: float | None
+    _tlp_out: bool
+    _pto_extra: float
     _rto_backoff: float
 
     def __init__(self, framer: Any) -> None:
@@ -179,6 +182,7 @@ class Builder:
         self._poor_carrier = False  # a message queued with ack_carrier=False has not left yet
         self._pace_deadline: float | None = None
         self._persist = False  # the retransmission timer runs as the persist timer (a closed window)
+        self._tlp_send = False  # a tail loss probe is due: one packet leaves whatever the window
         # Not limited by the window when we run out of data or of the peer's
         # window with the window less than half used (RFC 7661): then ACKs
         # must not grow it, or an idle-ish link accumulates a window it
@@ -254,7 +258,7 @@ class Builder:
         lost, snd_nxt, limit = rec.lost, self._snd_nxt, self._next_n
         if limit > rec.una + self.peer_rwnd:
             limit = rec.una + self.peer_rwnd  # the peer's receive window
-        cwnd, pacer = self.cc.cwnd_bytes, self.pacer
+        cwnd, pacer = self.cc.cwnd_bytes if not self._tlp_send else self._probe_window(), self.pacer
         if not lost and snd_nxt >= limit or rec.bytes_in_flight >= cwnd or now < pacer.next_send_s:
             # Nothing waits, or nothing may leave: build no headers (SACK blocks cost most) to find that out.
             if (lost or snd_nxt < limit) and rec.bytes_in_flight < cwnd:
@@ -311,7 +315,7 @@ class Builder:
                 echo = self._echo(t)
             out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd, body,
                                       sack))
-            rec.on_sent(n, size, retx)
+            rec.on_sent(n, size, retx, now)
             pacer.on_sent(size, now)
             sent += 1
             sent_bytes += size
@@ -326,6 +330,26 @@ class Builder:
             self._poor_carrier = False  # such a message left: not an answer worth holding for
         self._data_sent(sent, sent_bytes, limited, poor, now)
         return sent
+
+    def _arm_pto(self, now: float) -> None:
+        """Start the tail loss probe's timer: 2 x SRTT and the peer's delayed
+        ACK from ``now`` (RFC 8985 §7.2), unless the RTO comes first."""
+        srtt = self.rtt.srtt_s
+        d = self._rto_deadline
+        if srtt is None or d is None:
+            self._pto_deadline = None
+            return
+        p = now + 2 * srtt + self._pto_extra
+        self._pto_deadline = p if p < d else None
+
+    def _probe_window(self) -> float:
+        """The window for a tail loss probe's pass: one packet leaves whatever
+        the congestion window (a run's framer sees the real one: the probe
+        goes through the loop, alone)."""
+        self._tlp_send = False
+        cwnd = self.cc.cwnd_bytes
+        inflight = self.recovery.bytes_in_flight
+        return cwnd if cwnd > inflight else inflight + 1
 
     def _arm_persist(self, now: float) -> None:
         """The persist timer: the retransmission timer, run while the peer's
@@ -350,6 +374,58 @@ class Builder:
         if self._rto_deadline is None or self._persist:  # (the persist timer ends: data is in flight)
             self._persist = False
             self._rto_deadline = now + self.rtt.rto_s * self._rto_backoff  # RFC 6298 §5.1
+        if not self._tlp_out:
+            self._arm_pto(now)  # RFC 8985 §7.2: the probe timer restarts as data leaves
+
+    # --- loss detection's timers and what it found ----------------------------
+
+    def _loss_timers(self, now: float) -> None:
+        """The reorder timer (RACK's window has passed: what it now finds
+        lost) and the tail loss probe's, if due at ``now``."""
+        rec = self.recovery
+        if rec.reorder_deadline is not None and now >= rec.reorder_deadline:
+            nlost = len(rec.lost)
+            lost = rec.detect_lost(now)
+            if lost:
+                self._found_lost(lost, nlost, now)
+                self.pacer.rate_Bps = self.cc.pacing_rate_Bps(self.rtt.srtt_s)
+        if self._pto_deadline is not None and now >= self._pto_deadline:
+            self._on_pto(now)
+
+    def _found_lost(self, lost: int, nlost: int, now: float) -> None:
+        """Loss detection declared ``lost`` bytes lost (``nlost``: the
+        retransmission queue's length before): count them, open a recovery
+        episode if none is open, tell the congestion controller."""
+        rec = self.recovery
+        self.stats.fast_retransmits += len(rec.lost) - nlost
+        episode = rec.una >= rec.recovery_point
+        if episode:
+            rec.start_episode(self._snd_nxt)
+        self.cc.on_packets_lost(lost, now, episode)
+
+    def _on_pto(self, now: float) -> None:
+        """The tail loss probe's timer expired (RFC 8985 §7.3): nothing was
+        acknowledged for two round trips with data in flight.  A loss with
+        nothing sent behind it (a tail, or a lost retransmission) leaves no
+        later packet whose delivery would reveal it: send one packet, new
+        data if there is some the peer's window takes, else the last one
+        sent again, whatever the congestion window, so its ACK's SACK
+        blocks let RACK find the loss; the RTO stays armed behind it.  One
+        probe until something is acknowledged."""
+        self._pto_deadline = None
+        rec = self.recovery
+        if self._tlp_out or self._persist or not rec.has_inflight():
+            return
+        limit = self._next_n
+        if limit > rec.una + self.peer_rwnd:
+            limit = rec.una + self.peer_rwnd
+        if self._snd_nxt >= limit and not rec.probe_last():
+            return
+        self._tlp_out = True
+        self._tlp_send = True
+        self.stats.tlp_probes += 1
+        if self.pacer.next_send_s > now:
+            self.pacer.next_send_s = now
 
     # --- framing ------------------------------------------------------------
 
@@ -388,7 +464,7 @@ class Builder:
             return 0, 0
         full = stride + wl.OVERHEAD
         self.pacer.next_send_s = nxt
-        self.recovery.on_sent_run(n, k, full, last_len + wl.OVERHEAD if k == m else full)
+        self.recovery.on_sent_run(n, k, full, last_len + wl.OVERHEAD if k == m else full, now)
         if clock is not None:
             now = clock()
         first = (n - n0) * full  # the packets' places in buf (run_slots)
@@ -480,7 +556,7 @@ class Builder:
         n = self._next_n
         rec = self.recovery
         rec.add(n, message)
-        rec.on_sent(n, size, False)
+        rec.on_sent(n, size, False, now)
         self.pacer.on_sent(size, now)
         # the queue as send() then the send loop leave it: all sent
         self._next_n = self._snd_nxt = n + 1
@@ -522,7 +598,7 @@ class Builder:
         rec = self.recovery
         full = stride + wl.OVERHEAD
         rec.add_run(n, count, memoryview(buf), stride, last_len, wl.HEADER_LEN, full)  # run_slots(stride)
-        rec.on_sent_run(n, count, full, last_len + wl.OVERHEAD)
+        rec.on_sent_run(n, count, full, last_len + wl.OVERHEAD, now)
         self.pacer.next_send_s = nxt
         runs = self._runs
         while runs and runs[0][1] <= n:

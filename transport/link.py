@@ -59,8 +59,9 @@ offsets.  That is the delay signal of EFE congestion control, and RFC 6298's
 RTT sample.  A sample is taken from an ACK that newly acknowledges data
 (RFC 7323 §4), so idle-time echoes do not pollute it.
 
-Loss recovery (``recovery.py``): SACK + transmission-id threshold for fast
-retransmit, RFC 6298 RTO with exponential back-off up to ``max_rto_s``.
+Loss recovery (``recovery.py``): SACK and RACK (RFC 8985), with its
+reorder timer and tail loss probe (``builder.py``), and the RFC 6298 RTO
+with exponential back-off up to ``max_rto_s``.
 The timer runs whenever data waits on the peer: sent and not cumulatively
 acknowledged (SACKed or not), or held back by a closed window (then it is
 the persist timer, and each expiry probes the window).  ``max_retransmits``
@@ -161,12 +162,16 @@ class Link(Handshake, Builder):
         self._cc_on_sent = type(self.cc).on_packet_sent is not CongestionController.on_packet_sent
         self.pacer = Pacer(config.pacing_burst_packets * mss, config.pacing_burst_s)
         self.rtt = RttEstimator(config.initial_rto_s, config.min_rto_s, config.max_rto_s)
-        self.recovery = Recovery(config.reorder_threshold)
+        self.recovery = Recovery(config.reorder_threshold, self.rtt)
         self.receiver = Receiver(config.rwnd_packets, config.ack_every, config.max_ack_delay_s, self.recovery,
                                  self.stats)
         # the sender's timers and what the peer told us
         self.peer_rwnd = 0
         self._rto_deadline: float | None = None
+        self._pto_deadline: float | None = None  # the tail loss probe's timer
+        self._tlp_out = False  # a probe left and nothing has been acknowledged since
+        # what the probe timeout adds to 2 x SRTT: the peer's delayed ACK (INF: no probes)
+        self._pto_extra = config.max_ack_delay_s if config.tlp else INF
         self._rto_backoff = 1.0
         self._consecutive_rto = 0
         self._last_ack_field = -1  # the ack field last processed (fast path)
@@ -426,7 +431,7 @@ class Link(Handshake, Builder):
                     self.cc.on_packets_acked(0, s, now)
             return True
         nlost = len(rec.lost)
-        acked, lost = rec.on_ack(cum, sacks)
+        acked, lost = rec.on_ack(cum, sacks, now)
         if not acked and not lost:
             return True
         rtt_s = None
@@ -434,12 +439,12 @@ class Link(Handshake, Builder):
             rtt_s = self._rtt_sample(ts_echo_us, now)
         cc = self.cc
         if lost:
-            self.stats.fast_retransmits += len(rec.lost) - nlost
-            cc.on_packets_lost(lost, now)
+            self._found_lost(lost, nlost, now)
         if acked:
-            # Growth only when the window was what limited us (RFC 7661); the
-            # RTT sample still counts (EFE's decrease, the base-RTT filter).
-            cc.on_packets_acked(acked if self._cwnd_limited else 0, rtt_s, now)
+            self._tlp_out = False  # the probe drew its answer: another may go (RFC 8985 §7.4)
+            # Growth only when the window was what limited us (RFC 7661), not in
+            # a recovery episode (RFC 6675); the RTT sample counts anyway.
+            cc.on_packets_acked(acked, rtt_s, now, self._cwnd_limited and rec.una >= rec.recovery_point)
         self.pacer.rate_Bps = cc.pacing_rate_Bps(self.rtt.srtt_s)
         if cum > una:
             # RFC 6298 §5.3: restart the timer on new cumulative ACK; progress
@@ -450,6 +455,7 @@ class Link(Handshake, Builder):
             # if all of it was SACKed: only its expiry ends that wait.
             self._rto_deadline = (now + self.rtt.rto_s if rec.has_inflight()
                                   or snd_nxt > cum and not rec.retransmission_pending() else None)
+            self._arm_pto(now)  # RFC 8985 §7.2: progress restarts the probe timer
         elif not (rec.has_inflight() or snd_nxt > una and not rec.retransmission_pending()):
             self._rto_deadline = None  # a retransmission is due: it starts the timer again as it leaves
         return True
@@ -592,6 +598,12 @@ class Link(Handshake, Builder):
             d = self._rto_deadline
             if d is not None and d < t:
                 t = d
+            d = self._pto_deadline
+            if d is not None and d < t:
+                t = d
+            d = self.recovery.reorder_deadline
+            if d is not None and d < t:
+                t = d
             d = self.receiver.ack_deadline
             if d is not None and d < t:
                 t = d
@@ -635,6 +647,7 @@ class Link(Handshake, Builder):
         rx = self.receiver
         if rx.ack_deadline is not None and now >= rx.ack_deadline:
             rx.ack_now = True
+        self._loss_timers(now)
         if self._rto_deadline is not None and now >= self._rto_deadline:
             self._on_rto(now)
 
@@ -657,6 +670,8 @@ class Link(Handshake, Builder):
         backoff = self._rto_backoff * 2
         self._rto_backoff = backoff if rtt.rto_s * backoff <= rtt.max_rto_s else max(1.0, rtt.max_rto_s / rtt.rto_s)
         self.stats.rto_count += 1
+        self._pto_deadline = None
+        self._tlp_out = False
         if not self.recovery.on_rto():
             # Nothing to resend: the peer's closed window holds our data back
             # (the persist timer).  Ask for the window: the answer to a

@@ -21,6 +21,10 @@ is a pure function of its inputs and its one ``random.Random``.
   ``busy_until - now`` seconds of work), so it costs no events; it records the
   queueing delay of every packet it admits, its drops and its busy time.
 
+:func:`dumbbell` is the shared-bottleneck scenario (N bulk flows, one
+queue); :func:`lossy_path` one flow over a bottleneck with random loss,
+duplication and reordering on both directions, timed to its last ACK.
+
 Corruption flips one byte of the datagram, which the link's CRC32c must
 catch (the test counts ``bad_crc``).  ``trace`` (a list) records every
 delivery as ``(time, channel, bytes)`` so two runs can be compared byte for
@@ -396,3 +400,60 @@ def dumbbell(cc: str, flows: int, *, rate_Bps: float = 1.25e9, rtt_s: float = 10
         rto_count=sum(s.link.stats.rto_count for s in senders),
         events=sim.events_run,
     )
+
+
+# --- one flow over a lossy path (used by bench/netsim.py --lossy and the tests) ----
+
+
+@dataclass
+class PathResult:
+    """What one :func:`lossy_path` transfer measured."""
+
+    cc: str
+    messages: int
+    seconds: float  #: simulated time until the last message was delivered and acknowledged
+    goodput_Bps: float  #: payload bytes over ``seconds``
+    exact: bool  #: every message delivered once, in order, byte for byte
+    lost: int  #: data datagrams the path dropped (bottleneck and impairments)
+    retransmits: int
+    rto_count: int
+    tlp_probes: int
+    spurious: int  #: retransmissions found unneeded (the original arrived)
+
+    def row(self) -> dict[str, Any]:
+        """The bench's JSON row."""
+        return {"cc": self.cc, "messages": self.messages, "seconds": round(self.seconds, 6),
+                "goodput_MBps": round(self.goodput_Bps / 1e6, 2), "exact": self.exact, "lost": self.lost,
+                "retransmits": self.retransmits, "rto": self.rto_count, "tlp": self.tlp_probes,
+                "spurious": self.spurious}
+
+
+def lossy_path(cc: str, messages: int, *, impairments: Impairments | None = None, rate_Bps: float = 1.25e8,
+               rtt_s: float = 100e-6, buffer_bdp: float = 1.0, seed: int = 1, config: LinkConfig | None = None,
+               cc_params: dict[str, Any] | None = None, time_limit_s: float = 600.0) -> PathResult:
+    """One bulk flow of ``messages`` full-size, numbered messages over a path
+    of ``rate_Bps`` (a drop-tail bottleneck of ``buffer_bdp`` x the
+    bandwidth-delay product) and ``rtt_s``, with ``impairments`` on both
+    directions, data and ACKs, after the bottleneck.  Runs until the last
+    message is delivered and acknowledged (at most ``time_limit_s``
+    simulated)."""
+    rng = random.Random(seed)
+    sim = Simulator(rng)
+    base = config or LinkConfig()
+    cfg = LinkConfig(**{**base.__dict__, "cc": cc, "cc_params": dict(cc_params or {})})
+    la = Link(cfg, rng=random.Random(rng.getrandbits(64)), incarnation=1)
+    lb = Link(cfg, rng=random.Random(rng.getrandbits(64)), incarnation=2)
+    size = cfg.max_payload
+    msgs = [i.to_bytes(4, "big") * (size // 4) for i in range(messages)]
+    a = Endpoint(sim, la, source=msgs, name="a")
+    b = Endpoint(sim, lb, name="b")
+    neck = Bottleneck(rate_Bps, int(rate_Bps * rtt_s * buffer_bdp))
+    a.channel = Channel(sim, b, rtt_s / 2, impairments=impairments, bottleneck=neck, name="a>b")
+    b.channel = Channel(sim, a, rtt_s / 2, impairments=impairments, name="b>a")
+    sim.schedule(0.0, lambda _: a.connect())
+    sim.run(time_limit_s, max_events=400 * messages + 100_000,
+            stop=lambda: len(b.received) >= messages and la.acked >= messages)
+    s = la.stats
+    return PathResult(cc=cc, messages=messages, seconds=sim.now, goodput_Bps=messages * size / sim.now,
+                      exact=b.received == msgs, lost=a.channel.lost, retransmits=s.retransmits,
+                      rto_count=s.rto_count, tlp_probes=s.tlp_probes, spurious=la.recovery.spurious)

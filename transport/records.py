@@ -83,8 +83,12 @@ class LinkConfig:
     restart_probes: int = 3
     keepalive_idle_s: float = 1.0
     dead_peer_s: float = 5.0
-    #: packets sent after a loss before it is declared lost (RFC 9002 §6.1.1)
+    #: packets sent after a loss before it is declared lost (RFC 9002 §6.1.1),
+    #: until the path has shown reordering (then RACK's time rule alone, RFC 8985)
     reorder_threshold: int = 3
+    #: tail loss probes (RFC 8985 §7): a packet two SRTTs after the last
+    #: progress, so a tail loss is found by RACK, not the RTO
+    tlp: bool = True
     cc: str = "efe"
     cc_params: dict[str, Any] = field(default_factory=dict)
     #: burst the pacer allows after idle, in packets...
@@ -114,8 +118,9 @@ class LinkStats:
     bad_sack: int = 0  #: SACK block outside what is in flight (the packet is dropped)
     bad_init: int = 0  #: INIT/INIT_ACK inconsistent with the peer we know
     retransmits: int = 0
-    fast_retransmits: int = 0  #: packets declared lost from SACK information
+    fast_retransmits: int = 0  #: packets declared lost from SACK information (RACK)
     rto_count: int = 0
+    tlp_probes: int = 0  #: tail loss probes sent (a packet to draw an ACK, instead of waiting for the RTO)
     keepalives_sent: int = 0
     ack_holds_expired: int = 0  #: ACK_NOW ACKs held for an answer that did not come in time
 

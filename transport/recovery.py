@@ -7,12 +7,27 @@ number is ``isn + n`` modulo 2**32).  :class:`Recovery` keeps the messages the
 peer has not cumulatively acknowledged, and for those in flight the
 *transmission id* of their latest transmission: a counter that grows with
 every packet sent, first sends and retransmissions alike (QUIC's packet
-number, RFC 9002 §2, carried only in our memory).  Loss detection is then
-QUIC's packet threshold (RFC 9002 §6.1.1): a packet is lost when one sent at
-least ``reorder_threshold`` transmissions later has been acknowledged
-(cumulatively or by a SACK block, RFC 2018).  Using transmission ids rather
-than sequence numbers makes a lost *retransmission* detectable the same way,
-without waiting for the RTO.
+number, RFC 9002 §2, carried only in our memory) and the time it left.
+Loss detection is RACK (RFC 8985 §6), on transmission ids and send times:
+a packet is lost when one sent after it has been delivered (acknowledged
+cumulatively or by a SACK block, RFC 2018) and it is still missing a
+reordering window later: ``sent + RACK.rtt + reo_wnd <= now``, where
+RACK.rtt is the round trip of that later packet.  Until the path has shown
+reordering, QUIC's packet threshold (RFC 9002 §6.1.1) also holds: one sent
+``reorder_threshold`` transmissions later was delivered.  A packet that
+must still wait sets ``reorder_deadline``, when the link looks again.
+Because a transmission is what is compared, a lost *retransmission* is
+found the same way, without waiting for the RTO; a retransmission's
+delivery counts once it came at least the minimum RTT after it left
+(sooner, it was the original's: RFC 8985 §6.2 step 2, and a spurious
+retransmission, which widens the reordering window).
+
+The reordering window (RFC 8985 §6.2): zero while no reordering was seen
+and the sender is in a recovery episode or ``reorder_threshold`` packets
+are SACKed; otherwise a quarter of the minimum RTT, times a multiplier that
+each round trip with a spurious retransmission raises and 16 episodes
+without one reset, at most SRTT.  Reordering is seen when a packet is
+delivered after one sent later than it (and neither was a retransmission).
 
 The send-order queue is scanned only from its head and stale entries are
 dropped lazily, so an ACK costs O(newly acknowledged + newly lost), never a
@@ -28,6 +43,8 @@ from __future__ import annotations
 
 from collections import deque
 from typing import Any
+
+INF = float("inf")
 
 
 class RttEstimator:
@@ -77,8 +94,9 @@ class Recovery:
         messages: n -> payload of the messages queued one by one (``add``)
             and not cumulatively acknowledged; :meth:`message` reads runs too.
         una: lowest unacknowledged message number (the link's ``acked``).
-        inflight: n -> (transmission id, size, id credited on delivery or -1)
-            for packets in flight sent one by one (``on_sent``);
+        inflight: n -> (transmission id, size, id credited on delivery or -1
+            for a retransmission, time sent) for packets in flight sent one
+            by one (``on_sent``);
             :meth:`in_flight` adds the runs'.
         sacked: message numbers above ``una`` the peer reported by SACK.
         lost: message numbers to retransmit, oldest first (may hold stale
@@ -87,19 +105,21 @@ class Recovery:
     """
 
     __slots__ = ("messages", "una", "inflight", "sacked", "lost", "bytes_in_flight", "_runs", "_spans",
-                 "_order", "_tx_next", "_sack_from_start", "_sack_from_end", "max_delivered_tx", "reorder_threshold")
+                 "_order", "_tx_next", "_sack_from_start", "_sack_from_end", "max_delivered_tx", "reorder_threshold",
+                 "rtt", "rack_rtt", "reordering_seen", "reo_mult", "_reo_persist", "_reo_round_tx", "recovery_point",
+                 "reorder_deadline", "spurious")
 
-    def __init__(self, reorder_threshold: int = 3) -> None:
+    def __init__(self, reorder_threshold: int = 3, rtt: RttEstimator | None = None) -> None:
         self.messages: dict[int, bytes | bytearray | memoryview] = {}
         # payload runs, by n: [first n not acknowledged, end, buffer, stride,
         # last message's length, the run's first n]
         self._runs: deque[list[Any]] = deque()
         self.una = 0
-        self.inflight: dict[int, tuple[int, int, int]] = {}
+        self.inflight: dict[int, tuple[int, int, int, float]] = {}
         # packets in flight sent as runs, by n and so by transmission id:
-        # [first n, end, its transmission id, size, the last one's size];
+        # [first n, end, its transmission id, size, the last one's size, time sent];
         # never a packet also in ``inflight`` (a retransmission goes there)
-        self._spans: list[list[int]] = []
+        self._spans: list[list[Any]] = []
         self.sacked: set[int] = set()
         self.lost: deque[int] = deque()
         self.bytes_in_flight = 0
@@ -109,6 +129,19 @@ class Recovery:
         self._sack_from_end: dict[int, int] = {}  # block end -> start already applied
         self.max_delivered_tx = -1
         self.reorder_threshold = reorder_threshold
+        # RACK (RFC 8985): the link's RTT estimator (its time rule waits for
+        # a sample), the round trip of the latest-sent packet delivered
+        self.rtt = rtt if rtt is not None else RttEstimator(1.0, 0.0, 1.0)
+        self.rack_rtt = 0.0
+        self.reordering_seen = False
+        self.reo_mult = 1
+        self._reo_persist = 0
+        self._reo_round_tx = -1  # the multiplier grows once per round trip
+        #: the recovery episode lasts while ``una`` is below this (RFC 6675's RecoveryPoint; the link sets it)
+        self.recovery_point = 0
+        #: when a packet not yet lost by the time rule will be (the link's reorder timer), or None
+        self.reorder_deadline: float | None = None
+        self.spurious = 0  #: retransmissions found unneeded: delivered sooner than a round trip after they left
 
     # -- payloads ----------------------------------------------------------
     def add(self, n: int, payload: bytes | bytearray | memoryview) -> None:
@@ -164,45 +197,48 @@ class Recovery:
         """True if any packet is in flight."""
         return bool(self.inflight or self._spans)
 
-    def in_flight(self) -> dict[int, tuple[int, int, int]]:
-        """n -> (transmission id, size, id credited) of every packet in flight."""
+    def in_flight(self) -> dict[int, tuple[int, int, int, float]]:
+        """n -> (transmission id, size, id credited, time sent) of every packet in flight."""
         out = dict(self.inflight)
-        for n0, n1, tx0, size, last_size in self._spans:
+        for n0, n1, tx0, size, last_size, t in self._spans:
             for n in range(n0, n1):
                 tx = tx0 + n - n0
-                out[n] = (tx, last_size if n == n1 - 1 else size, tx)
+                out[n] = (tx, last_size if n == n1 - 1 else size, tx, t)
         return out
 
-    def on_sent(self, n: int, size: int, retransmission: bool = False) -> None:
-        """Message ``n`` left in a packet of ``size`` bytes."""
+    def on_sent(self, n: int, size: int, retransmission: bool = False, now: float = 0.0) -> None:
+        """Message ``n`` left in a packet of ``size`` bytes at ``now``."""
         tx = self._tx_next
         self._tx_next = tx + 1
         # An ACK for a retransmitted message is ambiguous (which copy
         # arrived?  Karn's problem): crediting the newest transmission when a
         # late original arrived would declare everything sent in between lost.
-        # So a retransmission's delivery never advances max_delivered_tx.
-        self.inflight[n] = (tx, size, -1 if retransmission else tx)
+        # So a retransmission's delivery is credited only when it cannot be
+        # the original's (``_retx_credit``).
+        self.inflight[n] = (tx, size, -1 if retransmission else tx, now)
         self._order.append((tx, n))
         self.bytes_in_flight += size
 
-    def on_sent_run(self, n: int, count: int, size: int, last_size: int) -> None:
+    def on_sent_run(self, n: int, count: int, size: int, last_size: int, now: float = 0.0) -> None:
         """First transmissions of messages ``n`` .. ``n + count - 1``, each in a
-        packet of ``size`` bytes but the last (``last_size``): ``on_sent`` for
-        each, kept as one span."""
+        packet of ``size`` bytes but the last (``last_size``), at ``now``:
+        ``on_sent`` for each, kept as one span."""
         tx = self._tx_next
-        self._spans.append([n, n + count, tx, size, last_size])
+        self._spans.append([n, n + count, tx, size, last_size, now])
         self._tx_next = tx + count
         self.bytes_in_flight += size * (count - 1) + last_size
 
-    def _take_spans(self, lo: int, hi: int) -> tuple[int, int]:
+    def _take_spans(self, lo: int, hi: int, maxtx: int, prev: int) -> tuple[int, int, float]:
         """Take packets ``lo`` .. ``hi - 1`` out of the spans (delivered);
-        return their bytes and the highest transmission id among them (-1: none)."""
+        return their bytes, the highest transmission id credited (at least
+        ``maxtx``) and its send time (-1.0: not from these).  ``prev``: the
+        highest id delivered before this ACK (an older one now: reordering)."""
         spans = self._spans
         nbytes = 0
-        maxtx = -1
+        maxts = -1.0
         i = 0
         while i < len(spans):
-            n0, n1, tx0, size, last_size = spans[i]
+            n0, n1, tx0, size, last_size, t = spans[i]
             if n1 <= lo:
                 i += 1
                 continue
@@ -211,18 +247,53 @@ class Recovery:
             a = n0 if n0 > lo else lo
             b = n1 if n1 < hi else hi
             nbytes += (b - a) * size + (last_size - size if b == n1 else 0)
-            maxtx = tx0 + (b - 1 - n0)
+            top = tx0 + (b - 1 - n0)
+            if top > maxtx:
+                maxtx, maxts = top, t
+            if tx0 + (a - n0) < prev:
+                self.reordering_seen = True
             pieces = []
             if a > n0:
-                pieces.append([n0, a, tx0, size, size])
+                pieces.append([n0, a, tx0, size, size, t])
             if b < n1:
-                pieces.append([b, n1, tx0 + (b - n0), size, last_size])
+                pieces.append([b, n1, tx0 + (b - n0), size, last_size, t])
             spans[i:i + 1] = pieces
             i += len(pieces)
-        return nbytes, maxtx
+        return nbytes, maxtx, maxts
 
-    def on_ack(self, cum: int, sacks: list[tuple[int, int]]) -> tuple[int, int]:
-        """Apply a cumulative ACK (all n < ``cum``) and SACK ranges [start, end).
+    def _retx_credit(self, info: tuple[int, int, int, float], now: float) -> int:
+        """The id a delivered retransmission (``info``) credits, or -1.  RFC
+        8985 §6.2 step 2: delivered sooner than the minimum RTT after it
+        left, it was the original that arrived, and the retransmission was
+        spurious: the path reorders more than the window allowed, which
+        grows, once per round trip (the RFC's answer to a DSACK)."""
+        rtt = self.rtt
+        if rtt.srtt_s is None:
+            return -1
+        if now - info[3] >= rtt.min_s:
+            return info[0]
+        self.spurious += 1
+        self.reordering_seen = True
+        if self.max_delivered_tx >= self._reo_round_tx:
+            self._reo_round_tx = self._tx_next
+            if self.reo_mult < 64:
+                self.reo_mult += 1
+        self._reo_persist = 16
+        return -1
+
+    def start_episode(self, point: int) -> None:
+        """A recovery episode starts: it lasts while ``una`` < ``point`` (RFC
+        6675's RecoveryPoint).  16 episodes without a spurious retransmission
+        bring the reordering window back to its base (RFC 8985 §6.2)."""
+        self.recovery_point = point
+        if self._reo_persist:
+            self._reo_persist -= 1
+            if not self._reo_persist:
+                self.reo_mult = 1
+
+    def on_ack(self, cum: int, sacks: list[tuple[int, int]], now: float = 0.0) -> tuple[int, int]:
+        """Apply a cumulative ACK (all n < ``cum``) and SACK ranges [start, end)
+        that arrived at ``now``.
 
         The caller has checked ``una <= cum <= next unsent`` and clipped the
         SACK ranges to the sent range.  Returns ``(acked_bytes, lost_bytes)``:
@@ -244,24 +315,56 @@ class Recovery:
                 order.clear()
                 self.una = cum
                 self.bytes_in_flight -= info[1]
-                if info[2] > self.max_delivered_tx:
-                    self.max_delivered_tx = info[2]
+                c = info[2] if info[2] >= 0 else self._retx_credit(info, now)
+                if c > self.max_delivered_tx:
+                    self.max_delivered_tx = c
+                    self.rack_rtt = now - info[3]
+                self.reorder_deadline = None
                 return info[1], 0
         acked = 0
-        maxtx = self.max_delivered_tx
+        prev = maxtx = self.max_delivered_tx
+        maxts = -1.0
         if cum > self.una:
-            acked, maxtx = self._ack_cumulative(cum, maxtx)
+            acked, maxtx, maxts = self._ack_cumulative(cum, maxtx, now)
         if sacks:
-            nbytes, maxtx = self._ack_sacks(cum, sacks, maxtx)
+            nbytes, top, ts = self._ack_sacks(cum, sacks, maxtx, now)
             acked += nbytes
+            if top > maxtx:
+                maxtx, maxts = top, ts
         if len(self._sack_from_start) > 64:  # forget blocks wholly below the cumulative ACK
             self._sack_from_start = {k: v for k, v in self._sack_from_start.items() if v > cum}
             self._sack_from_end = {k: v for k, v in self._sack_from_end.items() if k > cum}
         self.bytes_in_flight -= acked
-        self.max_delivered_tx = maxtx
-        # QUIC packet threshold on transmission ids (RFC 9002 §6.1.1), over
-        # single packets and spans merged in transmission order.
-        threshold = maxtx - self.reorder_threshold
+        if maxtx > prev:
+            self.max_delivered_tx = maxtx
+            self.rack_rtt = now - maxts  # RACK.rtt: the latest-sent delivered packet's round trip
+        return acked, self._detect(now)
+
+    def detect_lost(self, now: float) -> int:
+        """The reorder timer expired (``reorder_deadline``): declare what the
+        time rule now finds lost.  Returns the bytes."""
+        return self._detect(now)
+
+    def _reo_wnd(self) -> float:
+        """RACK's reordering window now (RFC 8985 §6.2)."""
+        if not self.reordering_seen and (self.una < self.recovery_point or len(self.sacked) >= self.reorder_threshold):
+            return 0.0
+        rtt = self.rtt
+        w = rtt.min_s * self.reo_mult * 0.25
+        srtt = rtt.srtt_s
+        return w if srtt is None or w < srtt else srtt
+
+    def _detect(self, now: float) -> int:
+        """RACK over single packets and spans merged in transmission order:
+        declare lost, oldest first, every packet sent before the latest-sent
+        delivered one and past the packet threshold (until reordering is
+        seen) or the time rule.  Returns the bytes; sets ``reorder_deadline``."""
+        maxtx = self.max_delivered_tx
+        threshold = -1 if self.reordering_seen else maxtx - self.reorder_threshold
+        wait: float | None = None  # RACK.rtt + reo_wnd: how long after its send a packet is lost by time
+        self.reorder_deadline = None
+        inflight = self.inflight
+        order = self._order
         spans = self._spans
         lost = self.lost
         lost_bytes = 0
@@ -276,17 +379,35 @@ class Recovery:
             if order and (not spans or order[0][0] < spans[0][2]):
                 tx, n = order[0]
                 if tx > threshold:
-                    break
+                    if tx >= maxtx:
+                        break
+                    if wait is None:
+                        wait = self._wait()
+                    t = inflight[n][3] + wait
+                    if t > now:
+                        if t < INF:
+                            self.reorder_deadline = t
+                        break
                 order.popleft()
                 lost_bytes += inflight.pop(n)[1]
                 lost.append(n)
                 continue
             if not spans:
                 break
-            n0, n1, tx0, size, last_size = s = spans[0]
+            n0, n1, tx0, size, last_size, t = s = spans[0]
             if tx0 > threshold:
-                break
-            k = threshold - tx0 + 1
+                if tx0 >= maxtx:
+                    break
+                if wait is None:
+                    wait = self._wait()
+                t += wait
+                if t > now:
+                    if t < INF:
+                        self.reorder_deadline = t
+                    break
+                k = maxtx - tx0  # the span's packets sent before the delivered one
+            else:
+                k = threshold - tx0 + 1
             if k >= n1 - n0:
                 k = n1 - n0
                 lost_bytes += (k - 1) * size + last_size
@@ -296,23 +417,36 @@ class Recovery:
                 s[0], s[2] = n0 + k, tx0 + k
             lost.extend(range(n0, n0 + k))
         self.bytes_in_flight -= lost_bytes
-        return acked, lost_bytes
+        return lost_bytes
 
-    def _ack_cumulative(self, cum: int, maxtx: int) -> tuple[int, int]:
+    def _wait(self) -> float:
+        """RACK's time rule: a packet is lost once ``sent + RACK.rtt +
+        reo_wnd <= now``; this is ``RACK.rtt + reo_wnd`` (INF before an RTT
+        sample: no time rule)."""
+        if self.rtt.srtt_s is None:
+            return INF
+        return self.rack_rtt + self._reo_wnd()
+
+    def _ack_cumulative(self, cum: int, maxtx: int, now: float) -> tuple[int, int, float]:
         """Messages ``una`` .. ``cum - 1`` are acknowledged: take them out of
-        flight and drop their payloads.  Returns their bytes in flight and
-        the highest transmission id credited (at least ``maxtx``)."""
+        flight and drop their payloads.  Returns their bytes in flight, the
+        highest transmission id credited (at least ``maxtx``) and its send
+        time (-1.0: none of them)."""
         inflight = self.inflight
         sacked = self.sacked
         spans = self._spans
         acked = 0
+        prev = maxtx
+        maxts = -1.0
         n = self.una
         while n < cum:
             if spans and spans[0][0] <= n:
                 # A span's packets: first transmissions, credited with
                 # their own ids, the highest being the last one acked.
                 s = spans[0]
-                n0, n1, tx0, size, last_size = s
+                n0, n1, tx0, size, last_size, t = s
+                if tx0 < prev:
+                    self.reordering_seen = True  # delivered after one sent later
                 if n1 <= cum:
                     acked += (n1 - n0 - 1) * size + last_size
                     top = tx0 + n1 - n0 - 1
@@ -324,30 +458,35 @@ class Recovery:
                     s[0], s[2] = cum, tx0 + cum - n0
                     n = cum
                 if top > maxtx:
-                    maxtx = top
+                    maxtx, maxts = top, t
                 continue
             stop = spans[0][0] if spans and spans[0][0] < cum else cum
             for k in range(n, stop):
                 info = inflight.pop(k, None)
                 if info is not None:
                     acked += info[1]
-                    if info[2] > maxtx:
-                        maxtx = info[2]
+                    c = info[2] if info[2] >= 0 else self._retx_credit(info, now)
+                    if c > maxtx:
+                        maxtx, maxts = c, info[3]
+                    elif 0 <= c < prev:
+                        self.reordering_seen = True
                 elif sacked:
                     sacked.discard(k)
             n = stop
         self._drop_payloads(self.una, cum)
         self.una = cum
-        return acked, maxtx
+        return acked, maxtx, maxts
 
-    def _ack_sacks(self, cum: int, sacks: list[tuple[int, int]], maxtx: int) -> tuple[int, int]:
+    def _ack_sacks(self, cum: int, sacks: list[tuple[int, int]], maxtx: int, now: float) -> tuple[int, int, float]:
         """Apply SACK ranges [start, end) above ``cum``.  Returns the bytes
-        they newly take out of flight and the highest transmission id
-        credited (at least ``maxtx``)."""
+        they newly take out of flight, the highest transmission id credited
+        (at least ``maxtx``) and its send time (-1.0: none of them)."""
         inflight = self.inflight
         sacked = self.sacked
         spans = self._spans
         acked = 0
+        prev = self.max_delivered_tx
+        maxts = -1.0
         memo_s = self._sack_from_start
         memo_e = self._sack_from_end
         for start, end in sacks:
@@ -369,14 +508,48 @@ class Recovery:
                 info = inflight.pop(n, None)
                 if info is not None:
                     acked += info[1]
-                    if info[2] > maxtx:
-                        maxtx = info[2]
+                    c = info[2] if info[2] >= 0 else self._retx_credit(info, now)
+                    if c > maxtx:
+                        maxtx, maxts = c, info[3]
+                    elif 0 <= c < prev:
+                        self.reordering_seen = True
             if spans:
-                nbytes, top = self._take_spans(lo, hi)
+                nbytes, top, ts = self._take_spans(lo, hi, maxtx, prev)
                 acked += nbytes
                 if top > maxtx:
-                    maxtx = top
-        return acked, maxtx
+                    maxtx, maxts = top, ts
+        return acked, maxtx, maxts
+
+    def probe_last(self) -> int:
+        """A tail loss probe with no new data to send (RFC 8985 §7.3): the
+        most recently sent packet still in flight goes to the front of the
+        retransmission queue.  Returns its bytes (0: nothing in flight)."""
+        order = self._order
+        inflight = self.inflight
+        while order:
+            tx, n = order[-1]
+            info = inflight.get(n)
+            if info is None or info[0] != tx:
+                order.pop()  # stale
+                continue
+            break
+        spans = self._spans
+        if spans and (not order or spans[-1][2] + spans[-1][1] - spans[-1][0] > order[-1][0]):
+            s = spans[-1]
+            n = s[1] - 1
+            size = s[4]
+            if s[1] - s[0] == 1:
+                del spans[-1]
+            else:
+                s[1], s[4] = n, s[3]
+        elif order:
+            n = order.pop()[1]
+            size = inflight.pop(n)[1]
+        else:
+            return 0
+        self.lost.appendleft(n)
+        self.bytes_in_flight -= size
+        return size
 
     def on_rto(self) -> int:
         """Declare everything in flight lost (RFC 6298 §5.4 onwards, with SACK:
@@ -402,6 +575,7 @@ class Recovery:
         self._spans.clear()
         self._order.clear()
         self.bytes_in_flight = 0
+        self.reorder_deadline = None
         return len(pending)
 
     def retransmission_pending(self) -> bool:

@@ -423,8 +423,10 @@ def test_sends_go_through_the_lane_and_arrive_byte_exact(loss: float) -> None:
     sends = [(100_000, "ok"), (50_000, "imm"), (70_001, "inv"), (1, "ok")]
     with _run(19, [(1, 0, "ok")], loss, sends=sends) as (a, fast):
         assert a.qp.state == S.IBV_QPS_RTS and fast.dev.stats["stag_remote_invalidated"] == 1
-        # all but each Send's first and last segments, and what loss sends the Python way
-        assert fast.dev.stats["rx_native_datagrams"] > (0.5 if loss else 0.9) * fast.dev.dump_stats()[
+        # all but each Send's first and last segments, and what loss sends the
+        # Python way: behind a hole, until it is filled (the window stays open
+        # under random loss, so that is a good part of so short a transfer)
+        assert fast.dev.stats["rx_native_datagrams"] > (0.3 if loss else 0.9) * fast.dev.dump_stats()[
             "link_data_received"]
         for i, (length, _) in enumerate(sends):
             at, src = _RECV_AT + i * _RECV_STRIDE, _send_source(i)

@@ -100,7 +100,9 @@ def test_a_sack_block_holding_the_message_the_ack_waits_for_is_dropped() -> None
                               64, b"", ((base & _U32, (base + 4) & _U32),))
     a.datagram_received(forged, t + D)
     assert a.bytes_in_flight == 4 * (1 + wl.OVERHEAD) and a.stats.bad_sack == 1
-    assert a.next_deadline() == pytest.approx(t + 0.01)  # the RTO still runs
+    # the timers still run: the tail loss probe's first, the RTO's behind it
+    assert a.next_deadline() == pytest.approx(t + 2 * a.srtt_s + a.config.max_ack_delay_s)
+    assert a._rto_deadline == pytest.approx(t + 0.01)
 
 
 def test_data_sacked_but_never_acknowledged_is_resent_after_the_timeout() -> None:

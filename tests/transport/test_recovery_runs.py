@@ -13,7 +13,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from udpverbs.transport.recovery import Recovery
+from udpverbs.transport.recovery import Recovery, RttEstimator
 
 from .recovery_model import PacketRecovery
 
@@ -24,6 +24,8 @@ def _same(rec: Recovery, model: PacketRecovery) -> None:
     assert rec.una == model.una
     assert rec.bytes_in_flight == model.bytes_in_flight
     assert rec.max_delivered_tx == model.max_delivered_tx
+    assert (rec.reorder_deadline, rec.reordering_seen, rec.reo_mult, rec.spurious, rec.rack_rtt) == (
+        model.reorder_deadline, model.reordering_seen, model.reo_mult, model.spurious, model.rack_rtt)
     assert rec.sacked == model.sacked
     assert list(rec.lost) == list(model.lost)
     assert rec.in_flight() == model.inflight
@@ -34,12 +36,24 @@ def _same(rec: Recovery, model: PacketRecovery) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), threshold=st.integers(1, 4))
-def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int) -> None:
-    rec, model = Recovery(threshold), PacketRecovery(threshold)
+@given(data=st.data(), threshold=st.integers(1, 4), timed=st.booleans())
+def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int, timed: bool) -> None:
+    # timed: the clock moves and RTT samples come (RACK's time rule, the
+    # reorder timer, credited and spurious retransmissions); else only the
+    # packet threshold decides, as before any sample.
+    rtts = RttEstimator(1.0, 0.0, 1.0), RttEstimator(1.0, 0.0, 1.0)
+    rec, model = Recovery(threshold, rtts[0]), PacketRecovery(threshold, rtts[1])
     queued = sent = 0  # next message to queue, next first transmission
+    now = 0.0
     for _ in range(data.draw(st.integers(1, 60))):
-        op = data.draw(st.sampled_from(["queue", "send", "retransmit", "ack", "ack", "rto", "ping"]))
+        if timed:
+            now += data.draw(st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0, 3.0]))
+            if data.draw(st.booleans()):
+                sample = data.draw(st.sampled_from([0.5, 1.0, 2.0, 4.0]))
+                for r in rtts:
+                    r.update(sample)
+        op = data.draw(st.sampled_from(["queue", "send", "retransmit", "ack", "ack", "rto", "ping", "probe",
+                                        "episode", "timer"]))
         if op == "ping":
             # A ping-pong's exchange: one message queued, sent and acked
             # (Recovery's one-packet path when nothing else is in flight).
@@ -47,12 +61,12 @@ def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int) -> None:
             model.messages[queued] = payload
             rec.add(queued, payload)
             if sent == queued:
-                rec.on_sent(sent, SIZE)
-                model.on_sent(sent, SIZE)
+                rec.on_sent(sent, SIZE, False, now)
+                model.on_sent(sent, SIZE, False, now)
                 sent += 1
             queued += 1
             cum = min(rec.una + 1, sent)
-            assert rec.on_ack(cum, []) == model.on_ack(cum, [])
+            assert rec.on_ack(cum, [], now) == model.on_ack(cum, [], now)
         elif op == "queue":
             k = data.draw(st.integers(1, 6))
             if data.draw(st.booleans()):
@@ -82,19 +96,19 @@ def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int) -> None:
             k = data.draw(st.integers(1, min(6, queued - sent)))
             if k > 1 and data.draw(st.booleans()):
                 last = data.draw(st.integers(1, SIZE))
-                rec.on_sent_run(sent, k, SIZE, last)
-                model.on_sent_run(sent, k, SIZE, last)
+                rec.on_sent_run(sent, k, SIZE, last, now)
+                model.on_sent_run(sent, k, SIZE, last, now)
             else:
                 for n in range(sent, sent + k):
-                    rec.on_sent(n, SIZE)
-                    model.on_sent(n, SIZE)
+                    rec.on_sent(n, SIZE, False, now)
+                    model.on_sent(n, SIZE, False, now)
             sent += k
         elif op == "retransmit":
             n = rec.next_lost()
             assert n == model.next_lost()
             if n is not None:
-                rec.on_sent(n, SIZE, True)
-                model.on_sent(n, SIZE, True)
+                rec.on_sent(n, SIZE, True, now)
+                model.on_sent(n, SIZE, True, now)
         elif op == "ack":
             # as Link._process_ack passes them: una <= cum <= next unsent,
             # SACK blocks clipped to what was sent
@@ -104,9 +118,16 @@ def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int) -> None:
                 if sent > rec.una:
                     s = data.draw(st.integers(rec.una, sent - 1))
                     blocks.append((s, data.draw(st.integers(s + 1, sent))))
-            assert rec.on_ack(cum, blocks) == model.on_ack(cum, blocks)
+            assert rec.on_ack(cum, blocks, now) == model.on_ack(cum, blocks, now)
         elif op == "rto":
             assert rec.on_rto() == model.on_rto()
+        elif op == "probe":
+            assert rec.probe_last() == model.probe_last()
+        elif op == "episode":
+            rec.start_episode(sent)
+            model.start_episode(sent)
+        elif op == "timer":
+            assert rec.detect_lost(now) == model.detect_lost(now)
         _same(rec, model)
 
 
@@ -118,7 +139,7 @@ def test_a_run_is_acknowledged_as_a_whole_and_split_by_sack_and_loss() -> None:
     # 0-2 cumulative, 5-6 selectively: tx 6 delivered, so tx <= 4 (3, 4) is lost
     assert rec.on_ack(3, [(5, 7)]) == (5 * 60, 2 * 60)
     assert list(rec.lost) == [3, 4] and rec.sacked == {5, 6}
-    assert sorted(rec.in_flight()) == [7, 8, 9] and rec.in_flight()[9] == (9, 50, 9)
+    assert sorted(rec.in_flight()) == [7, 8, 9] and rec.in_flight()[9] == (9, 50, 9, 0.0)
     assert rec.queued() == set(range(3, 10))
     assert rec.next_lost() == 3
     rec.on_sent(3, 60, True)

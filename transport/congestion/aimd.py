@@ -27,17 +27,19 @@ class Aimd(CongestionController):
         self._recovery_until = -INF
         self._rtt_s = 0.0
 
-    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float) -> None:
+    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float, limited: bool = True) -> None:
         if rtt_s is not None:
             self._rtt_s = rtt_s
+        if not limited:
+            return
         if self.cwnd_bytes < self.ssthresh:
             self.cwnd_bytes += acked_bytes  # slow start: +1 MSS per MSS acked
         else:
             self.cwnd_bytes += self.mss * acked_bytes / self.cwnd_bytes  # +1 MSS per RTT
 
-    def on_packets_lost(self, lost_bytes: int, now: float) -> None:
-        if now < self._recovery_until:
-            return  # RFC 6675: one window reduction per loss episode (per RTT)
+    def on_packets_lost(self, lost_bytes: int, now: float, episode: bool = True) -> None:
+        if not episode or now < self._recovery_until:
+            return  # RFC 6675: one window reduction per loss episode (and per RTT)
         self._recovery_until = now + self._rtt_s
         self.cwnd_bytes = max(self.min_cwnd, self.cwnd_bytes * self.beta)
         self.ssthresh = self.cwnd_bytes

@@ -11,7 +11,9 @@ see packets, sequence numbers or clocks of their own, only ``now`` floats, so
 they are as deterministic as the link (the aioquic split between
 ``recovery`` and ``congestion``).
 
-Callbacks are per ACK, not per packet (``on_packets_acked`` receives the sum
+Loss detection and its timers are the link's (``recovery.py``: RACK and
+the tail loss probe); a controller hears of losses found and of recovery
+episodes.  Callbacks are per ACK, not per packet (``on_packets_acked`` receives the sum
 of bytes one ACK newly acknowledged): the link runs in Python once per
 datagram and every call counts.
 
@@ -51,15 +53,24 @@ class CongestionController(abc.ABC):
         """
 
     @abc.abstractmethod
-    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float) -> None:
+    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float, limited: bool = True) -> None:
         """One ACK newly acknowledged ``acked_bytes`` (cumulatively or by SACK).
 
-        ``rtt_s`` is the RTT sample that ACK carried (timestamp echo), or None.
+        ``rtt_s`` is the RTT sample that ACK carried (timestamp echo), or
+        None.  ``limited``: the window was what limited the sender; if not,
+        the window must not grow (RFC 7661), but the bytes were delivered.
         """
 
     @abc.abstractmethod
-    def on_packets_lost(self, lost_bytes: int, now: float) -> None:
-        """Loss detection (SACK holes) declared ``lost_bytes`` lost."""
+    def on_packets_lost(self, lost_bytes: int, now: float, episode: bool = True) -> None:
+        """Loss detection declared ``lost_bytes`` lost.
+
+        ``episode``: these losses start a recovery episode (RFC 6675: the
+        first loss after everything sent before the previous episode began
+        was acknowledged); a window reduction belongs to an episode, the
+        losses within it are one congestion event (RFC 5681 §3.2's "once per
+        window").
+        """
 
     @abc.abstractmethod
     def on_rto(self, now: float) -> None:

@@ -54,8 +54,21 @@ Per ACK, from the queueing delay ``q = rtt - base_rtt``:
   well below the target queue even at 64 flows;
 * ``q`` above the target: Swift's proportional decrease, once per RTT.
 
-Loss (which should not happen with a buffer of one BDP) cuts by ``max_mdf``
-once per RTT; an RTO cuts to at most one packet.
+Loss is a congestion signal only with evidence of congestion: a delay-based
+controller keeps queues short, so a loss it meets with no queue in front of
+it is the path's (a bad link, a corrupted datagram), and answering each such
+loss with a cut collapses the window: at 5% random loss a window of a few
+dozen packets loses one nearly every round trip.  So a loss cuts at most
+once per recovery episode (the link's, RFC 6675: one round trip's losses
+are one event), and by ``max_mdf`` scaled by the queueing delay measured
+against the target (``q / target queue``): a full target queue behind the
+loss, a full cut; no queue, none.  Heavy loss is congestion whatever the
+delay says (a drop-tail buffer shallower than the target queue overflows
+before the delay can grow): when the share of bytes lost over about the
+last ``loss_window_packets`` reaches ``loss_threshold``, the cut is
+``max_mdf``.  Startup ends at a loss only when the loss is taken for
+congestion, a loss behind at least half the target queue.  An RTO cuts
+to at most one packet.
 
 Defaults are tuned on the simulated data-centre path of ``bench/netsim.py``
 (10 Gb/s, 100 µs, 1-BDP buffer): a 3 µs target queue plus up to 8 µs of flow
@@ -129,6 +142,9 @@ class Efe(CongestionController):
         small_window_packets: float = 4.0,
         noise_filter: bool = False,
         noise_samples: int = 8,
+        loss_threshold: float = 0.15,
+        loss_window_packets: float = 64.0,
+        loss_mdf: float = 0.125,
     ) -> None:
         super().__init__(mss)
         self.cwnd_bytes = initial_window_packets * mss
@@ -156,6 +172,12 @@ class Efe(CongestionController):
         self.small_window_packets = small_window_packets
         self.noise_filter = noise_filter
         self.noise_samples = noise_samples
+        self.loss_threshold = loss_threshold
+        self.loss_mdf = loss_mdf
+        self._loss_window = loss_window_packets * mss
+        self._acked_b = 0.0  # bytes delivered and lost lately (decayed at losses): the loss rate
+        self._lost_b = 0.0
+        self.loss_cuts = 0
         self._win_n = 0
         self._win_min = INF
         self._win_end = -INF
@@ -228,7 +250,10 @@ class Efe(CongestionController):
 
     # --- controller callbacks -----------------------------------------------
 
-    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float) -> None:
+    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float, limited: bool = True) -> None:
+        self._acked_b += acked_bytes
+        if not limited:
+            acked_bytes = 0  # RFC 7661: no growth; the delay still counts
         if rtt_s is not None and rtt_s > 0.0:
             if self.noise_filter:
                 rtt_s = self._filter(rtt_s, now)
@@ -289,12 +314,36 @@ class Efe(CongestionController):
         self._probe_gap_rtts = self.first_probe_rtts
         self._next_probe = now + self._probe_gap_s()
 
-    def on_packets_lost(self, lost_bytes: int, now: float) -> None:
-        if self.startup:
-            self._leave_startup(now)
+    def loss_rate(self) -> float:
+        """The share of bytes lost lately (about the last ``loss_window_packets``)."""
+        total = self._acked_b + self._lost_b
+        return self._lost_b / total if total else 0.0
+
+    def on_packets_lost(self, lost_bytes: int, now: float, episode: bool = True) -> None:
+        self._lost_b += lost_bytes
+        rate = self.loss_rate()
+        total = self._acked_b + self._lost_b
+        if total > self._loss_window:  # forget the older past, keeping the rate
+            k = self._loss_window / total
+            self._acked_b *= k
+            self._lost_b *= k
+        if not episode:
+            return
+        base = self.base_rtt_s
+        if rate >= self.loss_threshold or self.rtt_s <= 0.0 or base == INF:
+            mdf = self.max_mdf  # heavy loss, or no delay measured yet to tell
+        else:
+            mdf = self.max_mdf * (self.rtt_s - base) / (0.5 * self.target_queue_s)
+            if mdf > self.max_mdf:
+                mdf = self.max_mdf
+        if mdf >= 0.5 * self.max_mdf and self.startup:
+            self._leave_startup(now)  # the ramp met a queue
+        if mdf < self.loss_mdf:
+            mdf = self.loss_mdf
         if now - self._last_decrease >= self.rtt_s:
-            self.cwnd_bytes = max(self.min_cwnd, self.cwnd_bytes * (1.0 - self.max_mdf))
+            self.cwnd_bytes = max(self.min_cwnd, self.cwnd_bytes * (1.0 - mdf))
             self._last_decrease = now
+            self.loss_cuts += 1
 
     def on_rto(self, now: float) -> None:
         if self.startup:

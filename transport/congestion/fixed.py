@@ -19,10 +19,10 @@ class FixedWindow(CongestionController):
         self.cwnd_bytes = window_packets * mss
         self.paced = paced
 
-    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float) -> None:
+    def on_packets_acked(self, acked_bytes: int, rtt_s: float | None, now: float, limited: bool = True) -> None:
         pass  # a fixed window ignores feedback by definition
 
-    def on_packets_lost(self, lost_bytes: int, now: float) -> None:
+    def on_packets_lost(self, lost_bytes: int, now: float, episode: bool = True) -> None:
         pass
 
     def on_rto(self, now: float) -> None:
