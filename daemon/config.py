@@ -40,6 +40,12 @@ DEFAULT_NAME = "uv0"
 #: UDP payload bytes a datagram may carry: IPv4's minimum MTU (576) and its
 #: largest datagram (65,535) less the IP and UDP headers.
 MIN_MTU, MAX_MTU = 576 - 28, 65535 - 28
+#: the datagram every path is assumed to carry (a 1500-byte Ethernet MTU's):
+#: links start there and search up to --mtu (transport/pmtud.py)
+BASE_DATAGRAM = DEFAULT_MTU
+#: the datagram a link falls to when its path does not carry even that
+#: (QUIC's smallest, RFC 9000 §14)
+MIN_DATAGRAM = 1200
 
 
 def check_mtu(mtu: int) -> int:
@@ -333,7 +339,12 @@ def link_config(config: DeviceConfig) -> LinkConfig:
     # is also a time: 1 ms at the pacing rate.
     # A full datagram, with the cluster key's trailer, must still fit the MTU.
     trailer = TRAILER_LEN if config.key is not None else 0
-    lc = LinkConfig(max_payload=config.mtu - wire_link.OVERHEAD - trailer, cc=config.cc,
+    # Path MTU discovery (transport/pmtud.py): a link starts at what a
+    # 1500-byte Ethernet path carries (or --mtu, if less) and finds the rest.
+    extra = wire_link.OVERHEAD + trailer
+    lc = LinkConfig(max_payload=config.mtu - extra, cc=config.cc,
+                    base_payload=min(BASE_DATAGRAM, config.mtu) - extra,
+                    min_payload=min(MIN_DATAGRAM, config.mtu) - extra,
                     pacing_burst_packets=DAEMON_PACING_BURST_PACKETS, pacing_burst_s=DAEMON_PACING_BURST_S,
                     min_rto_s=DAEMON_MIN_RTO_S)
     create_cc(config.cc, config.mtu)  # raises ValueError for an unknown name, now rather than per link

@@ -66,7 +66,7 @@ from typing import Any, Iterable
 
 import trio
 
-from ..transport.link import Link, LinkFailed, LinkUp
+from ..transport.link import Link, LinkFailed, LinkUp, PathMtu
 from ..transport.cookie import CookieJar
 from ..transport.impair import Impairment
 from ..transport.sockbuf import datagrams_that_fit
@@ -120,6 +120,7 @@ class Device:
         self.node_guid = self.rng.getrandbits(64)
         self.gid = ctl.gid_from_ip(config.addr)
         self.link_config = link_config(config)
+        self.rwnd_high = self.link_config.rwnd_packets  # the largest receive window a link may have
         # STags must not be guessable: from the system's random
         # source, or, when the daemon is seeded (twin tests), from the seed
         stag_rng = secrets.SystemRandom() if config.seed is None else random.Random(f"stags {config.seed}")
@@ -200,9 +201,11 @@ class Device:
         addr = self.udp.bind(self.config.addr, self.config.port, self.config.gso)
         self.config.port = addr[1]
         # Flow control must keep what a peer may have in flight inside our
-        # socket buffer, or a blasting sender loses datagrams to overflow.
+        # socket buffer, or a blasting sender loses datagrams to overflow:
+        # datagrams of --mtu, until a link's path MTU search finds what
+        # its path carries (_path_mtu).
         self.link_config.rwnd_packets = datagrams_that_fit(self.udp.receive_buffer_bytes(), self.config.mtu,
-                                                           high=self.link_config.rwnd_packets)
+                                                           high=self.rwnd_high)
         if self.config.key is not None:
             self.udp.seal_with(Guard(self.config.key, addr, self.stats))
             if self.lane is not None:
@@ -349,6 +352,9 @@ class Device:
         if isinstance(ev, LinkUp):
             log.info("link to %s:%d up", *pl.addr)
             return
+        if isinstance(ev, PathMtu):
+            self._path_mtu(pl, ev)
+            return
         reason = ev.reason if isinstance(ev, LinkFailed) else "closed"
         # The peer closing its end (shutdown) is routine; anything else is worth a warning.
         level = logging.INFO if reason in ("abort_received", "closed") else logging.WARNING
@@ -366,6 +372,29 @@ class Device:
             self.cm.on_link_failed(pl)
         if self.groups is not None:
             self.groups.on_link_failed(pl)
+
+    def _path_mtu(self, pl: PeerLink, ev: PathMtu) -> None:
+        """A link's largest message changed (``transport/pmtud.py``): cut to
+        it from now on, and say once per link when it is less than --mtu."""
+        pl.path_mtu(ev)
+        mtu = self.config.mtu
+        extra = mtu - self.link_config.max_payload  # link header, CRC and seal: bytes a datagram adds
+        size = ev.payload + extra
+        # The peer searches the same path up to the same largest body: its
+        # datagrams are of this size too, and the window (in datagrams)
+        # can hold as many as fit the socket buffer.
+        pl.link.receiver.rwnd_packets = datagrams_that_fit(self.udp.receive_buffer_bytes(), size,
+                                                           high=self.rwnd_high)
+        if size >= mtu:
+            log.info("link to %s:%d carries %d-byte datagrams", pl.addr[0], pl.addr[1], size)
+        elif not pl.warned and ev.state == "SEARCH_COMPLETE":
+            pl.warned = True
+            why = "" if ev.path_max + extra >= mtu else f" (the peer takes at most {ev.path_max + extra})"
+            log.warning("path to %s:%d carries %d bytes; --mtu asks for %d%s", pl.addr[0], pl.addr[1], size, mtu,
+                        why)
+        else:
+            log.info("link to %s:%d now sends %d-byte datagrams (%s)", pl.addr[0], pl.addr[1], size,
+                     ev.state.lower())
 
     def _keep_link_totals(self, pl: PeerLink) -> None:
         ended = self.ended_links
@@ -520,4 +549,8 @@ class Device:
                 out["tx_native_datagrams"] = out.get("tx_native_datagrams", 0) + pl.link.framed_datagrams
             for k, v in pl.link.stats.as_dict().items():
                 out[f"link_{k}"] = out.get(f"link_{k}", 0) + v
+        if self.links:
+            # the narrowest path a link has now, as --mtu counts (transport/pmtud.py)
+            extra = self.config.mtu - self.link_config.max_payload
+            out["link_plpmtu_min"] = extra + min(pl.link.payload_limit for pl in self.links.values())
         return out

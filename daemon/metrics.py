@@ -56,6 +56,7 @@ LINK_GAUGES = (
     ("link_min_rtt_seconds", "min_rtt_us", 1e-6, "smallest round-trip time seen"),
     ("link_cwnd_bytes", "cwnd_bytes", 1, "congestion window"),
     ("link_bytes_in_flight", "bytes_in_flight", 1, "bytes sent and not yet acknowledged"),
+    ("link_plpmtu_bytes", "plpmtu", 1, "largest datagram the link sends now (path MTU discovery)"),
     ("link_up", None, 1, "1 while the link is established"),
 )
 

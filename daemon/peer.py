@@ -36,12 +36,16 @@ import collections
 import socket
 from typing import Any
 
-from ..transport.link import Burst, Link, LinkState, run_slots
+from ..transport.link import Burst, Link, LinkState, PathMtu, run_slots
+from ..transport.pmtud import fragmentable
 from ..wire import envelope, segment
 from ..wire import link as wire_link
 from .ports import PeerHost
 from .udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, NATIVE_U32
 
+#: times one flush hands the link a refused size and sends what follows
+#: (each narrows its search: a few suffice from --mtu down to the path's)
+MAX_REFUSED_ROUNDS = 16
 #: datagrams a stream's Write or Read Response may take beyond the fewest,
 #: to make them equal (a Send's may take none: equal_segment_size)
 EQUAL_EXTRA = 2
@@ -94,7 +98,7 @@ class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
     __slots__ = ("host", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint", "ack_waiters",
-                 "ready", "requests", "rx_addr", "rx_port", "tx_bytes", "rx_bytes")
+                 "ready", "requests", "rx_addr", "rx_port", "tx_bytes", "rx_bytes", "warned")
 
     def __init__(self, host: PeerHost, addr: tuple[str, int], link: Link) -> None:
         self.host = host
@@ -123,8 +127,10 @@ class PeerLink:
         # Read and atomic requests queued back to back, not yet on the link
         # (``send_request``)
         self.requests: list[bytearray] = []
-        # payload bytes per DDP segment: link body minus envelope + tagged header
-        self.max_data = link.config.max_payload - segment.TAGGED_PREFIX_LEN
+        # payload bytes per DDP segment: the link's largest message (what its
+        # path carries, path_mtu) minus envelope + tagged header
+        self.max_data = link.payload_limit - segment.TAGGED_PREFIX_LEN
+        self.warned = False  # the log said once that the path carries less than --mtu
         # UDP payload bytes sent to the peer and received from it on this
         # link (what the operator's tools show; the link counts datagrams)
         self.tx_bytes = 0
@@ -142,6 +148,11 @@ class PeerLink:
         if stream and self.host.udp.gso:
             return equal_segment_size(total, max_data, wire_link.OVERHEAD + prefix, 0 if untagged else EQUAL_EXTRA)
         return max_data
+
+    def path_mtu(self, ev: PathMtu) -> None:
+        """The link's largest message changed: messages are cut to it from
+        now on (those already cut leave as they are: ``_fragment``)."""
+        self.max_data = ev.payload - segment.TAGGED_PREFIX_LEN
 
     # -- queueing and sending ----------------------------------------------------
     def send(self, message: bytes | bytearray, ack_now: bool = True, ack_carrier: bool = True) -> int:
@@ -168,7 +179,10 @@ class PeerLink:
         self.tx_bytes += len(d)
         host.stats["tx_alone"] += 1
         host.handed_over(self)
-        return link.sent_alone(message, len(d), now, ack_carrier)
+        n = link.sent_alone(message, len(d), now, ack_carrier)
+        if udp.refused:
+            self._refused()
+        return n
 
     def flush(self) -> bool:
         """Send what the link lets leave now (its queued requests first);
@@ -182,16 +196,61 @@ class PeerLink:
         out = (link.bursts_to_send if gso else link.datagrams_to_send)(host.now, host.clock)
         if not out or udp.sock is None:
             return False
-        if gso and (len(out) > 1 or type(out[0]) is Burst):
-            udp.send_segmented(out, self.addr)
-        else:
-            udp.send_each(out, self.addr)
-        udp.sent = True
         n = 0
         for d in out:
             n += len(d.view) if type(d) is Burst else len(d)
         self.tx_bytes += n
+        if link.fragment_above:
+            out = self._fragment(out)
+        if gso and (len(out) > 1 or out and type(out[0]) is Burst):
+            udp.send_segmented(out, self.addr)
+        elif out:
+            udp.send_each(out, self.addr)
+        udp.sent = True
+        if udp.refused:
+            self._refused()
         return True
+
+    def _fragment(self, out: list[bytes | Burst]) -> list[bytes | Burst]:
+        """Send the DATA packets of ``out`` longer than the link's path now
+        carries with fragmentation allowed (messages cut before its path
+        MTU fell: the link sends a message as it was cut); return the rest."""
+        above = self.link.fragment_above
+        rest: list[bytes | Burst] = []
+        big: list[bytes | memoryview] = []
+        for d in out:
+            if type(d) is Burst:
+                if d.size > above:
+                    big.extend(d.datagrams())
+                else:
+                    rest.append(d)
+            elif fragmentable(d, above):  # type: ignore[arg-type]
+                big.append(d)  # type: ignore[arg-type]
+            else:
+                rest.append(d)
+        if big:
+            self.host.udp.send_fragmenting(big, self.addr)
+        return rest
+
+    def _refused(self) -> None:
+        """The kernel refused a datagram as too long for this path: tell the
+        link (RFC 8899's PTB) and send what it then has, its next probe at once."""
+        host = self.host
+        udp = host.udp
+        link = self.link
+        for _ in range(MAX_REFUSED_ROUNDS):
+            size = udp.refused
+            if not size:
+                return
+            udp.refused = 0
+            link.datagram_refused(size, host.now)
+            out: list[Any] = link.datagrams_to_send(host.now)
+            if out:
+                self.tx_bytes += sum(len(d) for d in out)
+                if link.fragment_above:
+                    out = self._fragment(out)
+                udp.send_each(out, self.addr)
+        udp.refused = 0
 
     def send_request(self, message: bytearray) -> None:
         """Queue a Read or atomic request (as ``send(message,
@@ -290,7 +349,10 @@ class PeerLink:
             view = link.frame_run_alone(buf, stride, count, last_body, prefix, now)
             if view is not None:
                 self._send_burst_now(Burst(view, stride + wire_link.OVERHEAD))
-                return link.sent_run_alone(buf, stride, count, last_body, now) + count - 1
+                n = link.sent_run_alone(buf, stride, count, last_body, now) + count - 1
+                if host.udp.refused:
+                    self._refused()  # after the bookkeeping: the link's state is as framed until then
+                return n
         return link.send_run(buf, stride, count, last_body, built=prefix) + count - 1
 
     def _send_burst_now(self, burst: Burst) -> None:

@@ -26,7 +26,10 @@ The answers are JSON objects (``ctl.StatusSection``):
     ``{"links": [...]}``, each ``peer addr port state qps datagrams_sent
     datagrams_received bytes_sent bytes_received retransmits duplicates
     bad_crc srtt_us min_rtt_us rto_ms cwnd_bytes pacing_Bps
-    bytes_in_flight`` and ``counters`` (the link's own, ``LinkStats``).
+    bytes_in_flight``, ``plpmtu`` (the largest datagram the link sends now,
+    UDP payload bytes as ``--mtu`` counts them: what path MTU discovery
+    found, ``transport/pmtud.py``), ``pmtud`` (the search's state) and
+    ``counters`` (the link's own, ``LinkStats``).
 ``QPS``
     ``{"qps": [...]}``, each ``qpn pid state peer dest_qp_num sq_posted
     sq_completed rq_posted rq_completed srq outstanding rnr_nacks_received
@@ -116,8 +119,16 @@ def link_report(pl: Any) -> dict[str, Any]:
         "duplicates": st.duplicate, "bad_crc": st.bad_crc, "srtt_us": _us(link.srtt_s),
         "min_rtt_us": _us(link.rtt.min_s), "rto_ms": round(link.rtt.rto_s * 1e3, 3),
         "cwnd_bytes": int(link.cwnd_bytes), "pacing_Bps": None if rate == float("inf") else int(rate),
-        "bytes_in_flight": link.bytes_in_flight, "counters": st.as_dict(),
+        "bytes_in_flight": link.bytes_in_flight, "plpmtu": plpmtu(pl), "pmtud": link.pmtud.state.name,
+        "counters": st.as_dict(),
     }
+
+
+def plpmtu(pl: Any) -> int:
+    """The largest datagram ``pl``'s link sends now, in UDP payload bytes
+    (the link counts bodies: a datagram adds its header, CRC and seal)."""
+    link = pl.link
+    return int(pl.host.config.mtu - link.config.max_payload + link.payload_limit)
 
 
 def qp_report(qp: Any) -> dict[str, Any]:

@@ -21,6 +21,15 @@ own trailer), and runs are kept short enough that the trailers still fit.
 Send errors are counters, never exceptions: a datagram the kernel would not
 take (a full buffer, ICMP errors reported on the socket) is retransmitted
 by its link.  ``sent`` tells the data loop that the pass sent something.
+
+Every datagram leaves with DF set (IP_PMTUDISC_PROBE: whatever the kernel
+has learnt of the path), so a path that carries less drops it whole rather
+than fragmenting it: each link finds what its path carries itself
+(``transport/pmtud.py``).  A datagram longer than this host's interface
+takes is refused (EMSGSIZE, counted ``tx_too_long``); ``refused`` keeps
+the shortest such for the link that sent it, as RFC 8899's PTB.  Messages
+a link cut before its path MTU fell go with fragmentation allowed
+(:meth:`UdpPort.send_fragmenting`).
 """
 
 from __future__ import annotations
@@ -57,6 +66,11 @@ _RX_CMSG_SPACE = socket.CMSG_SPACE(4) + socket.CMSG_SPACE(_TIMESPEC.size)
 # microseconds per received buffer.
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
+# DF on every datagram (linux/in.h): IP_PMTUDISC_PROBE sets it and ignores
+# the route's learnt path MTU; IP_PMTUDISC_DONT lets IP fragment.
+IP_MTU_DISCOVER = 10
+IP_PMTUDISC_DONT = 0
+IP_PMTUDISC_PROBE = 3
 #: the largest buffer one receive reads (a GRO batch is at most 64 KiB)
 RX_BUF = 1 << 16
 #: socket buffer sizes asked for (the kernel may grant less)
@@ -95,6 +109,11 @@ class UdpPort:
         self.guard: Any = None
         #: the most bytes a UDP_SEGMENT run may add up to before it is sealed
         self.gso_max_bytes = GSO_MAX_BYTES
+        self.df = False  # datagrams leave with DF set (set by bind)
+        #: the shortest datagram (as its link built it, before any seal) the
+        #: kernel refused as too long since the sender last looked; 0: none
+        self.refused = 0
+        self._seal_len = 0  # bytes a seal adds to each datagram
 
     def bind(self, addr: str, port: int, batching: bool) -> tuple[str, int]:
         """Bind to ``(addr, port)`` (0: any free port) and set the socket up;
@@ -121,6 +140,11 @@ class UdpPort:
             self.rx_stamps = True
         except OSError:
             log.warning("no SO_TIMESTAMPNS here: RTT samples include this daemon's scheduling delay")
+        try:
+            s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_PROBE)
+            self.df = True
+        except OSError:
+            log.warning("cannot set DF here: datagrams larger than a path carries are fragmented")
         if batching:
             # Probe both: a kernel without UDP_SEGMENT (before 4.18) ignores
             # the control message and sends a run as one big datagram.
@@ -147,6 +171,7 @@ class UdpPort:
         its datagrams' trailers."""
         self.guard = guard
         self.gso_max_bytes = GSO_MAX_BYTES - GSO_MAX_SEGMENTS * TRAILER_LEN
+        self._seal_len = TRAILER_LEN
 
     def receive_buffer_bytes(self) -> int:
         """The socket's receive buffer as the kernel granted it."""
@@ -214,6 +239,13 @@ class UdpPort:
         return data, addr, seg, arrived
 
     # -- sending --------------------------------------------------------------------
+    def _too_long(self, size: int, count: int = 1) -> None:
+        """The kernel refused ``count`` datagrams of ``size`` bytes (sealed) as too long."""
+        self.stats["tx_too_long"] += count
+        size -= self._seal_len
+        if not self.refused or size < self.refused:
+            self.refused = size
+
     def sendto(self, datagram: bytes | memoryview, addr: tuple[str, int]) -> None:
         """Send one datagram now (errors counted: its link retransmits it)."""
         if self.guard is not None:
@@ -222,9 +254,27 @@ class UdpPort:
             self.sock.sendto(datagram, addr)  # type: ignore[union-attr]
         except (BlockingIOError, InterruptedError):
             self.stats["tx_dropped"] += 1
-        except OSError:
-            self.stats["tx_oserror"] += 1
+        except OSError as e:
+            if e.errno == errno.EMSGSIZE:
+                self._too_long(len(datagram))
+            else:
+                self.stats["tx_oserror"] += 1
         self.sent = True
+
+    def send_fragmenting(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
+        """One ``sendto`` per datagram, IP allowed to fragment them (DF
+        clear): messages a link cut before its path MTU fell, which it
+        must still deliver as they are."""
+        sock = self.sock
+        assert sock is not None
+        if self.df:
+            sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DONT)
+        try:
+            self.send_each(out, addr)
+        finally:
+            if self.df:
+                sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_PROBE)
+        self.stats["tx_fragmenting"] += len(out)
 
     def send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
         """One ``sendto`` per datagram."""
@@ -237,8 +287,11 @@ class UdpPort:
                 sendto(d, addr)
             except (BlockingIOError, InterruptedError):
                 self.stats["tx_dropped"] += 1  # the link retransmits it
-            except OSError:
-                self.stats["tx_oserror"] += 1
+            except OSError as e:
+                if e.errno == errno.EMSGSIZE:
+                    self._too_long(len(d))
+                else:
+                    self.stats["tx_oserror"] += 1
 
     def send_segmented(self, out: list[bytes | Burst], addr: tuple[str, int]) -> None:
         """Send ``out`` in runs of equal-size datagrams, one UDP_SEGMENT sendmsg per run.
@@ -349,5 +402,8 @@ class UdpPort:
                     self.gso = False
                 self.send_each([d for b in plain for d in Burst(memoryview(b), plain_size).datagrams()], addr)
                 return self.gso
-            stats["tx_oserror"] += _count(buffers, size)
+            if e.errno == errno.EMSGSIZE:
+                self._too_long(size, _count(buffers, size))  # larger than this route takes: the link learns
+            else:
+                stats["tx_oserror"] += _count(buffers, size)
         return True

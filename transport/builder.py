@@ -96,6 +96,13 @@ def run_slots(stride: int) -> tuple[int, int]:
     return wl.HEADER_LEN, stride + wl.OVERHEAD
 
 
+def fit_sack(sack: tuple[tuple[int, int], ...], size: int, cap: int) -> tuple[tuple[int, int], ...]:
+    """The first of ``sack`` that a packet of ``size`` bytes without them
+    may carry and stay within ``cap`` bytes, the path's (``pmtud.py``):
+    SACK blocks are advisory, and the first holds the latest news (RFC 2018 §4)."""
+    return sack[:max(0, (cap - size) // 8)]
+
+
 def admit(m: int, full: int, tail: int, cwnd: float, inflight: int, rate: float, nxt: float, floor: float,
           now: float) -> tuple[int, float, int]:
     """How many of ``m`` packets of ``full`` bytes, the last ``tail``, the
@@ -167,6 +174,7 @@ class Builder:
     _tlp_out: bool
     _pto_extra: float
     _rto_backoff: float
+    _packet_cap: int  # the longest DATA packet, SACK blocks included (pmtud.py)
 
     def __init__(self, framer: Any) -> None:
         self._framer = framer
@@ -313,8 +321,8 @@ class Builder:
                 t = clock()
                 ts = int(t * 1e6) & _U32
                 echo = self._echo(t)
-            out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd, body,
-                                      sack))
+            s = sack if not sack or size + 8 * len(sack) <= self._packet_cap else fit_sack(sack, size, self._packet_cap)
+            out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd, body, s))
             rec.on_sent(n, size, retx, now)
             pacer.on_sent(size, now)
             sent += 1

@@ -53,7 +53,8 @@ class Handshake:
     _hs_deadline: float | None
     _hs_tries: int
 
-    # and the link's _fail, _heard, _rtt_sample (link.py), _echo, _control (builder.py)
+    # and the link's _fail, _heard, _rtt_sample (link.py), _echo, _control (builder.py),
+    # _pmtud_start (pmtud.py)
 
     def _init_body(self, cookie: bytes = b"") -> bytes:
         c = self.config
@@ -125,6 +126,8 @@ class Handshake:
         self._hs_deadline = None
         self._hs_tries = 0
         self._events.append(LinkUp(self.peer_incarnation or 0))
+        if self.config.base_payload:
+            self._pmtud_start(now)  # the peer's largest body is known: path MTU discovery (pmtud.py)
 
     def _cookie_received(self, body: memoryview, now: float) -> None:
         # The passive daemon keeps nothing until our INIT echoes its cookie:

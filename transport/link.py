@@ -97,12 +97,13 @@ from .builder import Builder, Burst, admit, one_per_datagram, run_slots
 from .handshake import Handshake
 from .congestion.base import INF, CongestionController, create
 from .pacer import Pacer
+from .pmtud import PathProbing
 from .receiver import Receiver
-from .records import LinkClosed, LinkConfig, LinkEvent, LinkFailed, LinkState, LinkStats, LinkUp
+from .records import LinkClosed, LinkConfig, LinkEvent, LinkFailed, LinkState, LinkStats, LinkUp, PathMtu
 from .recovery import Recovery, RttEstimator
 
 __all__ = ["Burst", "Link", "LinkClosed", "LinkConfig", "LinkEvent", "LinkFailed", "LinkState", "LinkStats", "LinkUp",
-           "admit", "one_per_datagram", "run_slots"]
+           "PathMtu", "admit", "one_per_datagram", "run_slots"]
 
 _U32 = 0xFFFFFFFF
 _HALF = 1 << 31
@@ -119,12 +120,13 @@ _INIT_ACK = wl.PacketType.INIT_ACK
 _KEEPALIVE = wl.PacketType.KEEPALIVE
 _ABORT = wl.PacketType.ABORT
 _COOKIE = wl.PacketType.COOKIE
+_PROBE = wl.PacketType.PROBE
 _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _ESTABLISHED = LinkState.ESTABLISHED
 _decode = wl.decode_untrusted
 
 
-class Link(Handshake, Builder):
+class Link(Handshake, PathProbing, Builder):
     """One reliable link to one peer daemon (see the module docstring).
 
     The send queue and the datagrams it becomes are :class:`Builder`'s
@@ -156,7 +158,9 @@ class Link(Handshake, Builder):
         self.peer_max_payload = config.max_payload
         self._events: deque[LinkEvent] = deque()
         self._out: list[bytes] = []  # control packets queued (handshake, keep-alive, ABORT)
-        mss = config.max_payload + wl.OVERHEAD
+        self._pmtud_init()
+        # a "packet" of window is one of the size the link starts with (RFC 9002 §7.2)
+        mss = self.payload_limit + wl.OVERHEAD
         self.cc = create(config.cc, mss, config.cc_params)
         # on_packet_sent is an optional hook: a controller without it costs no call per send
         self._cc_on_sent = type(self.cc).on_packet_sent is not CongestionController.on_packet_sent
@@ -334,6 +338,8 @@ class Link(Handshake, Builder):
             self.receiver.data_received(h.seq, h.flags, body, now)
         elif ptype == _KEEPALIVE:
             self.receiver.ack_now = True  # answered at once
+        elif ptype >= _PROBE:
+            self._probe_packet(ptype, body, now)  # pmtud.py
 
     def run_receivable(self) -> tuple[int, int, int] | None:
         """``(our tag, next wire sequence, window room)`` when a run of
@@ -612,6 +618,9 @@ class Link(Handshake, Builder):
                 t = d
             if self._claim is not None and self._claim[2] < t:
                 t = self._claim[2]
+            d = self._pmtu_deadline
+            if d is not None and d < t:
+                t = d
             return t
         if state in (LinkState.INIT_SENT, LinkState.INIT_RECEIVED):
             return self._hs_deadline
@@ -650,6 +659,8 @@ class Link(Handshake, Builder):
         self._loss_timers(now)
         if self._rto_deadline is not None and now >= self._rto_deadline:
             self._on_rto(now)
+        if self._pmtu_deadline is not None and now >= self._pmtu_deadline:
+            self._pmtud_timer(now)
 
     def _on_rto(self, now: float) -> None:
         """The retransmission timer expired: the cumulative ACK has not moved
@@ -672,6 +683,7 @@ class Link(Handshake, Builder):
         self.stats.rto_count += 1
         self._pto_deadline = None
         self._tlp_out = False
+        self._pmtud_rto(now)  # a black hole? (pmtud.py)
         if not self.recovery.on_rto():
             # Nothing to resend: the peer's closed window holds our data back
             # (the persist timer).  Ask for the window: the answer to a

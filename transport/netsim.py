@@ -25,6 +25,13 @@ is a pure function of its inputs and its one ``random.Random``.
 queue); :func:`lossy_path` one flow over a bottleneck with random loss,
 duplication and reordering on both directions, timed to its last ACK.
 
+A path may carry datagrams only up to a size (``Channel.mtu``: a hop that
+drops larger ones silently, DF set and no ICMP) or the sending host may
+know the limit (``Channel.local_mtu``: its stack refuses a larger datagram,
+``EMSGSIZE``, and the endpoint tells its link, as the daemon does).  A
+DATA packet longer than the link's ``fragment_above`` leaves fragmented (DF
+clear, as the daemon sends it) and crosses either limit.
+
 Corruption flips one byte of the datagram, which the link's CRC32c must
 catch (the test counts ``bad_crc``).  ``trace`` (a list) records every
 delivery as ``(time, channel, bytes)`` so two runs can be compared byte for
@@ -40,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .link import Link, LinkConfig, LinkEvent
+from .pmtud import fragmentable
 
 
 @dataclass
@@ -158,11 +166,19 @@ class Channel:
         self.sent = 0
         self.lost = 0
         self._last_arrival = 0.0
+        #: 0, or the longest datagram a hop of the path carries (longer: dropped, no signal)
+        self.mtu = 0
+        #: 0, or the longest datagram the sender's own stack sends (longer: refused)
+        self.local_mtu = 0
+        self.too_big = 0  # datagrams dropped by ``mtu``
 
-    def send(self, data: bytes) -> None:
-        """Put one datagram on the path."""
+    def send(self, data: bytes, fragmented: bool = False) -> None:
+        """Put one datagram on the path (``fragmented``: DF clear, so no MTU stops it)."""
         sim = self.sim
         self.sent += 1
+        if self.mtu and len(data) > self.mtu and not fragmented:
+            self.too_big += 1
+            return
         imp = self.imp
         t = sim.now
         if self.bottleneck is not None:
@@ -217,13 +233,17 @@ class Endpoint:
 
     def __init__(self, sim: Simulator, link: Link, *, source: list[bytes] | None = None,
                  on_delivery: Callable[[Endpoint, list[bytes], float], None] | None = None,
-                 name: str = "") -> None:
+                 name: str = "", stream: bytes = b"") -> None:
         self.sim = sim
         self.link = link
         self.name = name
         self.channel: Channel | None = None
         self.source = source or []
         self.source_pos = 0
+        #: bytes to send after ``source``, cut into messages of the link's
+        #: ``payload_limit`` as they are queued (as the daemon cuts)
+        self.stream = stream
+        self.stream_pos = 0
         self.received: list[bytes] = []
         self.on_delivery = on_delivery
         self.events: list[LinkEvent] = []
@@ -275,12 +295,8 @@ class Endpoint:
             for i in range(pos, end):
                 send(src[i], now)
             self.source_pos = end
-        out = link.datagrams_to_send(now)
-        if out:
-            ch = self.channel
-            assert ch is not None
-            for d in out:
-                ch.send(d)
+        self._top_up_stream(now)
+        self._send(now)
         ev = link.next_event()
         while ev is not None:
             self.events.append(ev)
@@ -290,6 +306,44 @@ class Endpoint:
         # early re-checks next_deadline() (cheaper than a heap entry per input).
         if dl is not None and (self._timer_at is None or dl < self._timer_at):
             self._arm(dl)
+
+
+    def _top_up_stream(self, now: float) -> None:
+        link, stream = self.link, self.stream
+        pos = self.stream_pos
+        if pos >= len(stream) or self.source_pos < len(self.source):
+            return
+        for _ in range(link.send_space()):
+            end = min(len(stream), pos + link.payload_limit)
+            link.send(stream[pos:end], now)
+            pos = end
+            if pos >= len(stream):
+                break
+        self.stream_pos = pos
+
+    def _send(self, now: float) -> None:
+        """Hand what the link lets leave to the channel; a datagram the
+        sender's stack refuses goes back to the link, which may then have
+        more to send (the next probe), up to a bound."""
+        link, ch = self.link, self.channel
+        for _ in range(64):
+            out = link.datagrams_to_send(now)
+            if not out:
+                return
+            assert ch is not None
+            refused = False
+            frag = link.fragment_above
+            for d in out:
+                n = len(d)
+                if frag and fragmentable(d, frag):
+                    ch.send(d, fragmented=True)
+                elif ch.local_mtu and n > ch.local_mtu:
+                    link.datagram_refused(n, now)
+                    refused = True
+                else:
+                    ch.send(d)
+            if not refused:
+                return
 
 
 def pair(sim: Simulator, link_a: Link, link_b: Link, delay_s: float, *,

@@ -52,7 +52,20 @@ class LinkClosed:
     """``close()`` was called; an ABORT went to the peer."""
 
 
-LinkEvent = LinkUp | LinkFailed | LinkClosed
+@dataclass(frozen=True)
+class PathMtu:
+    """Path MTU discovery (``pmtud.py``) changed the largest message the
+    owner should queue, ``payload`` (a link body: ``Link.payload_limit``),
+    or ended a search below ``LinkConfig.max_payload``.  ``state``: the
+    search's state (``PmtudState`` name); ``path_max``: the largest body
+    it may find, ours and the peer's ``max_payload`` (INIT / INIT_ACK)."""
+
+    payload: int
+    state: str
+    path_max: int
+
+
+LinkEvent = LinkUp | LinkFailed | LinkClosed | PathMtu
 
 
 @dataclass
@@ -62,6 +75,13 @@ class LinkConfig:
 
     #: largest message (link body); 1472-byte UDP payloads by default
     max_payload: int = 1472 - wl.OVERHEAD
+    #: path MTU discovery (``pmtud.py``): the body every path is assumed to
+    #: carry, where the link starts and searches up to ``max_payload``
+    #: from; 0: no discovery, every path carries ``max_payload``
+    base_payload: int = 0
+    #: ...and the body it falls to when a path does not carry even that
+    #: (0: ``base_payload``)
+    min_payload: int = 0
     #: receive window in packets (buffered out of order + undrained)
     rwnd_packets: int = 256
     #: messages the owner may queue beyond ``acked`` (send_space bound)
@@ -123,6 +143,12 @@ class LinkStats:
     tlp_probes: int = 0  #: tail loss probes sent (a packet to draw an ACK, instead of waiting for the RTO)
     keepalives_sent: int = 0
     ack_holds_expired: int = 0  #: ACK_NOW ACKs held for an answer that did not come in time
+    pmtu_probes_sent: int = 0  #: path MTU probes sent (pmtud.py)
+    pmtu_probes_acked: int = 0  #: ...answered by the peer: that size is carried
+    pmtu_probes_lost: int = 0  #: ...unanswered within the retransmission timeout
+    pmtu_probes_answered: int = 0  #: the peer's probes answered
+    pmtu_too_big: int = 0  #: datagrams the local stack refused as too big (EMSGSIZE)
+    pmtu_black_holes: int = 0  #: times larger messages stopped getting through: back to the base size
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -53,6 +53,12 @@ class PacketType(enum.IntEnum):
     #: (SCTP's State Cookie, RFC 9260 §5.1.3; QUIC's Retry, RFC 9000 §8.1);
     #: the answering daemon keeps nothing until it does
     COOKIE = 7
+    #: a path MTU probe (RFC 8899 §4.1): a LinkProbe body padded to the
+    #: size being tried, no message, answered at once with PROBE_ACK; not
+    #: in the sequence space, so its loss costs no retransmission
+    PROBE = 8
+    #: the answer to a PROBE: the probe's id and the body length that arrived
+    PROBE_ACK = 9
 
 
 class LinkFlags(enum.IntFlag):
@@ -92,6 +98,11 @@ LINK_INIT = c.Struct(
     "cookie" / c.GreedyBytes,
 )
 
+#: Body of PROBE: an id the PROBE_ACK returns, then zeros up to the size probed.
+LINK_PROBE = c.Struct("probe_id" / c.Int32ub, "padding" / c.GreedyBytes)
+#: Body of PROBE_ACK: the PROBE's id and the length of the body that arrived.
+LINK_PROBE_ACK = c.Struct("probe_id" / c.Int32ub, "size" / c.Int32ub)
+
 #: Body of COOKIE: the passive daemon's clock (seconds) and a keyed MAC
 #: (``transport/cookie.py``); opaque to the initiator, which echoes it.
 COOKIE_LEN = 16
@@ -104,6 +115,10 @@ HEADER_LEN = _HDR.size  # 28
 OVERHEAD = HEADER_LEN + CRC_LEN  # bytes a link packet adds around its body (no SACK)
 _SACK = struct.Struct("!II")
 _INIT = struct.Struct("!IIHHQ")
+_PROBE_ID = struct.Struct("!I")
+_PROBE_ACK = struct.Struct("!II")
+#: the shortest PROBE body: its id
+PROBE_MIN_BODY = _PROBE_ID.size
 _PTYPE_MAX = max(PacketType)
 _U32 = 0xFFFFFFFF
 _TN = tuple.__new__
@@ -227,3 +242,40 @@ def decode_cookie_untrusted(body: bytes | bytearray | memoryview) -> bytes:
     if len(body) != COOKIE_LEN:
         raise WireError("bad_length", f"cookie of {len(body)} bytes")
     return bytes(body)
+
+
+def encode_probe(probe_id: int, body_len: int) -> bytes:
+    """The body of a PROBE: ``probe_id``, then zeros up to ``body_len`` bytes.
+
+    Raises:
+        ValueError: ``body_len`` below ``PROBE_MIN_BODY``, or an id out of range.
+    """
+    if body_len < PROBE_MIN_BODY:
+        raise ValueError(f"a probe body is at least {PROBE_MIN_BODY} bytes, not {body_len}")
+    try:
+        return _PROBE_ID.pack(probe_id) + bytes(body_len - PROBE_MIN_BODY)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+
+
+def decode_probe_untrusted(body: bytes | bytearray | memoryview) -> int:
+    """The id of a PROBE body (its padding is not read).  Raises WireError only."""
+    if len(body) < PROBE_MIN_BODY:
+        raise WireError("truncated", f"probe body of {len(body)} bytes")
+    return int(_PROBE_ID.unpack_from(body)[0])
+
+
+def encode_probe_ack(probe_id: int, size: int) -> bytes:
+    """The body of a PROBE_ACK.  Raises ValueError: a field out of range."""
+    try:
+        return _PROBE_ACK.pack(probe_id, size)
+    except struct.error as e:
+        raise ValueError(str(e)) from None
+
+
+def decode_probe_ack_untrusted(body: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(probe_id, size)`` of a PROBE_ACK body.  Raises WireError only."""
+    if len(body) != _PROBE_ACK.size:
+        raise WireError("bad_length", f"probe ack body of {len(body)} bytes")
+    probe_id, size = _PROBE_ACK.unpack_from(body)
+    return probe_id, size

@@ -12,7 +12,8 @@
 --   segment carrying RDMAP (RFC 5041, RFC 5040, RFC 7306), a connection
 --   management message (wire/cm.py), a Modified ACK/NACK (wire/flow.py), or
 --   a process-group message (wire/lock.py, wire/barrier.py, wire/group.py).
---   INIT, INIT_ACK and COOKIE carry the link set-up; ACK, KEEPALIVE and
+--   INIT, INIT_ACK and COOKIE carry the link set-up; PROBE (padded to the
+--   size it tries) and PROBE_ACK path MTU discovery; ACK, KEEPALIVE and
 --   ABORT have no body.
 --
 -- A daemon sends runs of equal-sized datagrams with one UDP_SEGMENT (GSO)
@@ -52,8 +53,8 @@ local COOKIE_LEN = 16
 local FLOW_ACK_LEN = 4
 
 local PTYPES = { [1] = "DATA", [2] = "ACK", [3] = "INIT", [4] = "INIT_ACK", [5] = "KEEPALIVE", [6] = "ABORT",
-                 [7] = "COOKIE" }
-local P_DATA, P_INIT, P_INIT_ACK, P_COOKIE = 1, 3, 4, 7
+                 [7] = "COOKIE", [8] = "PROBE", [9] = "PROBE_ACK" }
+local P_DATA, P_INIT, P_INIT_ACK, P_COOKIE, P_PROBE, P_PROBE_ACK = 1, 3, 4, 7, 8, 9
 local KINDS = { [1] = "DDP", [2] = "CM", [3] = "FLOW", [4] = "LOCK", [5] = "BARRIER", [6] = "GROUP" }
 local K_DDP, K_CM, K_FLOW, K_LOCK, K_BARRIER, K_GROUP = 1, 2, 3, 4, 5, 6
 local ENV_IMM_FOLLOWS, ENV_FLOW_ACK = 0x01, 0x02
@@ -141,6 +142,9 @@ local f = {
     init_cookie = F.bytes("udpverbs.init.cookie", "Echoed cookie"),
     cookie_stamp = F.uint32("udpverbs.cookie.stamp_s", "Cookie time (s)", base.DEC),
     cookie_mac = F.bytes("udpverbs.cookie.mac", "Cookie MAC"),
+    probe_id = F.uint32("udpverbs.probe.id", "Probe id", base.DEC),
+    probe_padding = F.bytes("udpverbs.probe.padding", "Padding"),
+    probe_size = F.uint32("udpverbs.probe.size", "Probe body received (bytes)", base.DEC),
 
     kind = F.uint8("udpverbs.env.kind", "Kind", base.DEC, KINDS),
     dst_qpn = F.uint24("udpverbs.env.dst_qpn", "Destination QPN", base.DEC),
@@ -609,6 +613,13 @@ local function dissect_link_body(ptype, p, at, n, pinfo, root, t)
                              n > INIT_LEN and " with cookie" or "")
     elseif ptype == P_COOKIE and n == COOKIE_LEN then
         add_fields(t, p, at, { { f.cookie_stamp, 4 }, { f.cookie_mac, COOKIE_LEN - 4 } })
+    elseif ptype == P_PROBE and n >= 4 then
+        t:add(f.probe_id, p(at, 4))
+        if n > 4 then t:add(f.probe_padding, p(at + 4, n - 4)) end
+        return string.format("probe %d, %d-byte body", p(at, 4):uint(), n)
+    elseif ptype == P_PROBE_ACK and n == 8 then
+        add_fields(t, p, at, { { f.probe_id, 4 }, { f.probe_size, 4 } })
+        return string.format("probe %d carried, %d-byte body", p(at, 4):uint(), p(at + 4, 4):uint())
     elseif n > 0 then
         t:add(f.body, p(at, n))
         t:add_proto_expert_info(e_malformed, name_of(PTYPES, ptype) .. " with a body of " .. n .. " bytes")

@@ -261,12 +261,12 @@ def _rate(item: dict[str, Any], key: str, fmt: Callable[[float], str]) -> str | 
 def link_table(links: list[dict[str, Any]], rates: bool) -> list[str]:
     """The links of one daemon, one line each."""
     headers = ["peer", "state", "qps", "dgrams out", "dgrams in", "bytes out", "bytes in", "retx", "dup", "crc",
-               "srtt us", "min rtt us", "cwnd"]
+               "srtt us", "min rtt us", "cwnd", "mtu"]
     rows: list[list[Any]] = []
     for k in links:
         rows.append([k["peer"], k["state"], k["qps"], k["datagrams_sent"], k["datagrams_received"],
                      nbytes(k["bytes_sent"]), nbytes(k["bytes_received"]), k["retransmits"], k["duplicates"],
-                     k["bad_crc"], k["srtt_us"], k["min_rtt_us"], nbytes(k["cwnd_bytes"])])
+                     k["bad_crc"], k["srtt_us"], k["min_rtt_us"], nbytes(k["cwnd_bytes"]), k.get("plpmtu")])
         if rates:
             rows[-1] += [_rate(k, "bytes_sent_per_s", lambda v: nbytes(v) + "/s"),
                          _rate(k, "bytes_received_per_s", lambda v: nbytes(v) + "/s"),

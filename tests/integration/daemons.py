@@ -17,7 +17,8 @@ class DaemonProc:
     """One ``python -m udpverbs.daemon`` on a loopback address, on an ephemeral UDP port unless ``port`` names one."""
 
     def __init__(self, name: str, addr: str, runtime_dir: str, *, mtu: int | None = 1472, seed: int = 1,
-                 extra: tuple[str, ...] = (), preexec_fn: Any = None, port: int = 0) -> None:
+                 extra: tuple[str, ...] = (), preexec_fn: Any = None, port: int = 0,
+                 prefix: tuple[str, ...] = ()) -> None:
         self.name = name
         self.addr = addr
         self.socket_path = os.path.join(runtime_dir, f"{name}.sock")
@@ -25,6 +26,7 @@ class DaemonProc:
         self.seed = seed
         self.extra = extra
         self.preexec_fn = preexec_fn  # e.g. to lower the daemon's fd limit
+        self.prefix = prefix  # a command that execs the daemon, e.g. ("ip", "netns", "exec", NS)
         self.requested_port = port  # 0: the daemon picks a free one at each start
         self.port = 0  # the one it bound, once started
         self.proc: subprocess.Popen[bytes] | None = None
@@ -35,7 +37,7 @@ class DaemonProc:
         r, w = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "udpverbs.daemon", "--name", self.name, "--addr", self.addr,
+                [*self.prefix, sys.executable, "-m", "udpverbs.daemon", "--name", self.name, "--addr", self.addr,
                  "--port", str(self.requested_port), "--socket", self.socket_path, "--seed", str(self.seed),
                  "--ready-fd", str(w), *(("--mtu", str(self.mtu)) if self.mtu else ()), *self.extra],
                 pass_fds=(w,), stdout=self.log, stderr=self.log, preexec_fn=self.preexec_fn,

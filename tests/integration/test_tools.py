@@ -41,7 +41,7 @@ LIMIT_KEYS = {"max_qp", "max_cq", "max_mr", "max_pd", "max_qp_wr", "max_cqe", "m
               "max_mr_size", "max_msg_sz", "max_qp_rd_atom", "max_qp_init_rd_atom", "atomic_cap"}
 LINK_KEYS = {"peer", "addr", "port", "state", "qps", "datagrams_sent", "datagrams_received", "bytes_sent",
              "bytes_received", "retransmits", "duplicates", "bad_crc", "srtt_us", "min_rtt_us", "rto_ms",
-             "cwnd_bytes", "pacing_Bps", "bytes_in_flight", "counters"}
+             "cwnd_bytes", "pacing_Bps", "bytes_in_flight", "plpmtu", "pmtud", "counters"}
 QP_KEYS = {"qpn", "pid", "state", "peer", "dest_qp_num", "sq_posted", "sq_completed", "rq_posted", "rq_completed",
            "srq", "outstanding", "rnr_nacks_received", "rnr_nacks_sent"}
 DEVICES_KEYS = {"name", "socket", "state", "pid", "addr", "udp_port", "gid", "mtu", "cc", "uptime_s", "version",
@@ -211,6 +211,7 @@ def test_stat_counts_each_links_traffic_both_ways_and_each_qps_work_requests(pai
     assert lb["bytes_received"] > 10 * WRITE and lb["datagrams_received"] >= 10 * 45
     assert 0 < la["bytes_received"] < la["bytes_sent"] // 10  # the ACKs coming back
     assert la["srtt_us"] > 0 and 0 < la["min_rtt_us"] <= la["srtt_us"] * 4 and la["cwnd_bytes"] > 0
+    assert la["plpmtu"] == sa["device"]["mtu"] and la["pmtud"] == "SEARCH_COMPLETE"  # --mtu, all a path allows
     (qa,), (qb,) = sa["qps"], sb["qps"]
     assert set(qa) == QP_KEYS
     assert (qa["qpn"], qa["state"], qa["pid"], qa["dest_qp_num"]) == (a.qp.qp_num, "IBV_QPS_RTS", os.getpid(),

@@ -117,7 +117,7 @@ def test_fast_decoder_agrees_with_construct(data: bytes) -> None:
 
 @pytest.mark.parametrize(
     ("index", "value", "reason"),
-    [(0, 2, "bad_version"), (1, 0, "bad_ptype"), (1, 8, "bad_ptype"), (27, 1, "bad_reserved"), (26, 5, "bad_sack"),
+    [(0, 2, "bad_version"), (1, 0, "bad_ptype"), (1, max(PacketType) + 1, "bad_ptype"), (27, 1, "bad_reserved"), (26, 5, "bad_sack"),
      (26, 1, "bad_sack")],
 )
 def test_malformed_reason(index: int, value: int, reason: str) -> None:
@@ -152,6 +152,8 @@ def test_arbitrary_bytes_raise_only_wire_error(data: bytes) -> None:
     outcome(link.decode_untrusted, data)
     outcome(link.decode_init_untrusted, data)
     outcome(link.decode_cookie_untrusted, data)
+    outcome(link.decode_probe_untrusted, data)
+    outcome(link.decode_probe_ack_untrusted, data)
     outcome(link.decode_untrusted, _fix_crc(data))
 
 
@@ -181,3 +183,60 @@ def test_encode_fields_is_encode_without_sack(h: LinkHeader, body: bytes) -> Non
     assert wire == link.encode(h, body)
     ref = _reference_header(h) + body
     assert wire == ref + crc.crc32c(ref).to_bytes(4, "big")
+
+
+def test_probe_known_answer() -> None:
+    body = link.encode_probe(0x01020304, 10)
+    assert body == bytes.fromhex("01020304" "000000000000")
+    assert link.decode_probe_untrusted(body) == 0x01020304
+    ack = link.encode_probe_ack(7, 8940)
+    assert ack == bytes.fromhex("00000007" "000022ec")
+    assert link.decode_probe_ack_untrusted(ack) == (7, 8940)
+    with pytest.raises(ValueError):
+        link.encode_probe(1, link.PROBE_MIN_BODY - 1)
+
+
+@SETTINGS
+@given(u32, st.integers(link.PROBE_MIN_BODY, 9000))
+def test_probe_agrees_with_construct(probe_id: int, body_len: int) -> None:
+    body = link.encode_probe(probe_id, body_len)
+    assert len(body) == body_len
+    assert link.LINK_PROBE.build(dict(probe_id=probe_id, padding=bytes(body_len - 4))) == body
+    assert link.LINK_PROBE.parse(body).probe_id == link.decode_probe_untrusted(body) == probe_id
+
+
+@SETTINGS
+@given(u32, u32)
+def test_probe_ack_agrees_with_construct(probe_id: int, size: int) -> None:
+    body = link.encode_probe_ack(probe_id, size)
+    assert link.LINK_PROBE_ACK.build(dict(probe_id=probe_id, size=size)) == body
+    parsed = link.LINK_PROBE_ACK.parse(body)
+    assert (parsed.probe_id, parsed.size) == link.decode_probe_ack_untrusted(body) == (probe_id, size)
+
+
+def _reference_probe(data: bytes) -> int:
+    try:
+        return int(link.LINK_PROBE.parse(data).probe_id)
+    except c.ConstructError as e:
+        raise WireError("reference", str(e)) from None
+
+
+def _reference_probe_ack(data: bytes) -> tuple[int, int]:
+    try:
+        p = link.LINK_PROBE_ACK.parse(data)
+    except c.ConstructError as e:
+        raise WireError("reference", str(e)) from None
+    if len(data) != link.LINK_PROBE_ACK.sizeof():
+        raise WireError("reference", "trailing bytes")
+    return p.probe_id, p.size
+
+
+@SETTINGS
+@given(st.binary(max_size=16))
+def test_probe_decoders_agree_with_construct_on_any_bytes(data: bytes) -> None:
+    for fast, ref in ((link.decode_probe_untrusted, _reference_probe),
+                      (link.decode_probe_ack_untrusted, _reference_probe_ack)):
+        got, want = outcome(fast, data), outcome(ref, data)
+        assert got[0] == want[0]
+        if got[0] == "ok":
+            assert got == want
