@@ -249,7 +249,8 @@ def test_a_workload_runs_with_the_key(keys: tuple[str, str]) -> None:
             for s in (sa, sb):
                 assert s.get("auth_failed", 0) == 0 and s.get("auth_replayed", 0) == 0
                 assert s.get("rx_armed", 0) == 0
-            assert sa.get("link_retransmits", 0) == 0
+            # nothing resent but the tail loss probes that end each burst may draw
+            assert sa.get("link_retransmits", 0) <= sa.get("link_tlp_probes", 0)
         finally:
             a.close()
             b.close()
