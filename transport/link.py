@@ -35,8 +35,10 @@ heard within ``restart_probes`` RTOs the link fails
 new one for the next INIT.  A live old peer answers, and a blind spoofed
 INIT changes nothing.
 
-Parts: this module is the connection's core (handshake, states, input
-dispatch, ACK processing, timers, events, send queueing).  The receive side
+Parts: this module is the connection's core (states, input dispatch, ACK
+processing, events, send queueing); the handshake is ``handshake.py``'s,
+the deadlines and what each expiry does ``timers.py``'s, the path-MTU
+search ``pmtud.py``'s (mixins of :class:`Link`).  The receive side
 and the ACK policy are ``receiver.py``'s (a :class:`Receiver`, the
 ``receiver`` attribute); building the datagrams that leave is
 ``builder.py``'s (:class:`Builder`, a base class); the sent-packet table,
@@ -99,6 +101,7 @@ from .congestion.base import INF, CongestionController, create
 from .pacer import Pacer
 from .pmtud import PathProbing
 from .receiver import Receiver
+from .timers import Timers
 from .records import LinkClosed, LinkConfig, LinkEvent, LinkFailed, LinkState, LinkStats, LinkUp, PathMtu
 from .recovery import Recovery, RttEstimator
 
@@ -121,17 +124,17 @@ _KEEPALIVE = wl.PacketType.KEEPALIVE
 _ABORT = wl.PacketType.ABORT
 _COOKIE = wl.PacketType.COOKIE
 _PROBE = wl.PacketType.PROBE
-_ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _ESTABLISHED = LinkState.ESTABLISHED
 _decode = wl.decode_untrusted
 
 
-class Link(Handshake, PathProbing, Builder):
+class Link(Handshake, PathProbing, Timers, Builder):
     """One reliable link to one peer daemon (see the module docstring).
 
     The send queue and the datagrams it becomes are :class:`Builder`'s
-    (``builder.py``), the receive side and the ACK policy the
-    :class:`Receiver`'s (``receiver.py``, the ``receiver`` attribute).
+    (``builder.py``), its deadlines :class:`Timers`' (``timers.py``), the
+    receive side and the ACK policy the :class:`Receiver`'s (``receiver.py``,
+    the ``receiver`` attribute).
 
     Args:
         config: tunables.
@@ -587,115 +590,6 @@ class Link(Handshake, PathProbing, Builder):
         """How many more messages the link wants queued now."""
         s = self.config.send_buffer_packets - (self._next_n - self.recovery.una)
         return s if s > 0 else 0
-
-    # --- timers -------------------------------------------------------------
-
-    def next_deadline(self) -> float | None:
-        """The earliest time ``timer_fired`` must be called, or None."""
-        state = self.state
-        if state == _ESTABLISHED:
-            c = self.config
-            heard = self._last_heard
-            t = heard + c.dead_peer_s
-            k = self._last_keepalive
-            k = (k if k > heard else heard) + c.keepalive_idle_s
-            if k < t:
-                t = k
-            d = self._rto_deadline
-            if d is not None and d < t:
-                t = d
-            d = self._pto_deadline
-            if d is not None and d < t:
-                t = d
-            d = self.recovery.reorder_deadline
-            if d is not None and d < t:
-                t = d
-            d = self.receiver.ack_deadline
-            if d is not None and d < t:
-                t = d
-            d = self._pace_deadline
-            if d is not None and d < t:
-                t = d
-            if self._claim is not None and self._claim[2] < t:
-                t = self._claim[2]
-            d = self._pmtu_deadline
-            if d is not None and d < t:
-                t = d
-            return t
-        if state in (LinkState.INIT_SENT, LinkState.INIT_RECEIVED):
-            return self._hs_deadline
-        return None
-
-    def timer_fired(self, now: float) -> None:
-        """Handle every deadline that has passed at ``now``."""
-        state = self.state
-        c = self.config
-        if state in (LinkState.INIT_SENT, LinkState.INIT_RECEIVED):
-            if self._hs_deadline is not None and now >= self._hs_deadline:
-                if self._hs_tries >= c.max_init_retransmits:
-                    self._fail("handshake_timeout")
-                    return
-                self._hs_tries += 1
-                self._send_handshake(now)
-            return
-        if state != LinkState.ESTABLISHED:
-            return
-        if now >= self._last_heard + c.dead_peer_s:
-            self._fail("dead_peer")
-            return
-        claim = self._claim
-        if claim is not None and now >= claim[2]:
-            if now >= claim[1]:
-                self._fail(claim[0])  # nothing of the old association answered: the claim holds
-                return
-            self._probe_restart(now)
-        if now >= max(self._last_heard, self._last_keepalive) + c.keepalive_idle_s:
-            self._last_keepalive = now
-            self._out.append(self._control(_KEEPALIVE, _ACK_NOW, now))
-            self.stats.keepalives_sent += 1
-        rx = self.receiver
-        if rx.ack_deadline is not None and now >= rx.ack_deadline:
-            rx.ack_now = True
-        self._loss_timers(now)
-        if self._rto_deadline is not None and now >= self._rto_deadline:
-            self._on_rto(now)
-        if self._pmtu_deadline is not None and now >= self._pmtu_deadline:
-            self._pmtud_timer(now)
-
-    def _on_rto(self, now: float) -> None:
-        """The retransmission timer expired: the cumulative ACK has not moved
-        for an RTO while data waited on the peer.  ``max_retransmits``
-        expiries in a row fail the link, whatever the peer says meanwhile: a
-        peer that answers but acknowledges nothing is no better than a
-        silent one."""
-        self._rto_deadline = None
-        rtt = self.rtt
-        if self.recovery.una >= self._next_n:
-            return  # nothing waits on the peer after all
-        if self._consecutive_rto >= self.config.max_retransmits:
-            self._fail("retransmit_budget")
-            return
-        self._consecutive_rto += 1
-        # RFC 6298 §5.5, up to max_rto_s (§2.5 allows a maximum): the budget
-        # then lasts at most (max_retransmits + 1) * max_rto_s.
-        backoff = self._rto_backoff * 2
-        self._rto_backoff = backoff if rtt.rto_s * backoff <= rtt.max_rto_s else max(1.0, rtt.max_rto_s / rtt.rto_s)
-        self.stats.rto_count += 1
-        self._pto_deadline = None
-        self._tlp_out = False
-        self._pmtud_rto(now)  # a black hole? (pmtud.py)
-        if not self.recovery.on_rto():
-            # Nothing to resend: the peer's closed window holds our data back
-            # (the persist timer).  Ask for the window: the answer to a
-            # KEEPALIVE carries it (RFC 9293 §3.8.6.1's probe, without data).
-            self._persist = True
-            self._rto_deadline = now + rtt.rto_s * self._rto_backoff
-            self._out.append(self._control(_KEEPALIVE, _ACK_NOW, now))
-            self.stats.keepalives_sent += 1
-            return
-        self.cc.on_rto(now)
-        self.pacer.rate_Bps = self.cc.pacing_rate_Bps(rtt.srtt_s)
-        self.pacer.next_send_s = -INF  # the retransmission leaves at once (§5.4)
 
     # --- events -------------------------------------------------------------
 
