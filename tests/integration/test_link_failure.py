@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import time
 
 from udpverbs import verbs
 from udpverbs.verbs.enums import (
@@ -79,6 +80,12 @@ def test_link_counters_never_go_backwards_when_a_link_is_replaced() -> None:
                 port = db.port
                 _kill(db, b)  # the peer restarts: a new daemon at the same address
                 db.stop()
+                # Once the old link is gone (0.5 s of silence): a Write posted
+                # while it still stood would ride it and fail with it.
+                deadline = time.monotonic() + 10
+                while "ended: " not in da.log_text():
+                    assert time.monotonic() < deadline, da.log_text()
+                    time.sleep(0.05)
                 db = DaemonProc("uvD", "127.0.0.3", d, extra=FAST + ("--port", str(port)), seed=7).start()
                 b = Side(db, 1 << 16)
                 qa = a.new_qp()
