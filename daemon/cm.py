@@ -245,6 +245,7 @@ class ConnectionManager:
 
     async def _get_request(self, sess: Any, req: Any) -> bytes:
         lst = self._owned_listener(sess, req.listener_handle)
+        self.device.stats["cm_get_request_waits"] += 1
         while True:
             with trio.move_on_after(req.timeout_ms / 1000):
                 try:

@@ -202,15 +202,19 @@ def test_a_client_that_dies_while_waiting_frees_what_it_held(daemons) -> None:
     # get_request may wait for as long as its caller asked; a client killed
     # meanwhile must not keep its listener (and the rest of its context)
     # until then.
+    ctx = verbs.Context(socket_path=daemons[1].socket_path)
+    waits = ctx.query_stats().get("cm_get_request_waits", 0)
     proc = subprocess.Popen([sys.executable, "-c", _WAIT_THEN_DIE, daemons[1].socket_path],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
-        time.sleep(0.2)  # the request reaches the daemon and waits there
+        deadline = time.monotonic() + 10
+        while ctx.query_stats().get("cm_get_request_waits", 0) == waits:  # its request waits in the daemon
+            assert time.monotonic() < deadline, "get_request never reached the daemon"
+            time.sleep(0.01)
     finally:
         proc.kill()
         proc.wait(10)
-    ctx = verbs.Context(socket_path=daemons[1].socket_path)
     try:
         deadline = time.monotonic() + 5
         while True:
