@@ -54,6 +54,7 @@ SERVER_IP = "127.0.0.2"
 CLIENT_IP = "127.0.0.3"
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+REPORT_GRACE_S = 1.0  # a failed run: how long the server may take to say why it failed
 
 
 class LocalRunError(Exception):

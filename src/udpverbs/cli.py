@@ -534,6 +534,9 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
         return rows
     finally:
         if server is not None:
+            # The client failed: often because the server saw the bad data
+            # first and tore its QP down.  Let it print why before stopping it.
+            local.wait_process(server.proc, local.REPORT_GRACE_S)
             server.stop()
         daemons.close()
 
