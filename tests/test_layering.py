@@ -68,7 +68,7 @@ def test_layer_imports_only_downward(layer: str, path: Path) -> None:
 # engine never imports the device: it reaches it through ``ports``).  A new
 # module takes its place here, or this test fails.
 DAEMON_ORDER = [
-    "heap", "tables", "quota", "clusterkey", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
+    "heap", "tables", "quota", "clusterkey", "paths", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
     "peer",
     "completer", "responder", "requester", "qp",
     "scheduler", "rxlane", "receive", "loop", "device", "status", "metrics",
