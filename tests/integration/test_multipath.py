@@ -12,13 +12,17 @@ the test keeps writing and reading back.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import tempfile
 import threading
 import time
 from typing import Any
 
+import pytest
+
 from udpverbs import tools, verbs
+from udpverbs.daemon.clusterkey import write_new_key
 from udpverbs.verbs.enums import IBV_SEND_SIGNALED, IBV_WC_SUCCESS, IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE
 
 from .conftest import Side, connect_manual
@@ -78,9 +82,15 @@ def _sides(da: DaemonProc, db: DaemonProc) -> tuple[Side, Side]:
     return a, b
 
 
-def test_one_link_runs_over_both_paths_and_the_data_is_exact() -> None:
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "cluster-key"])
+def test_one_link_runs_over_both_paths_and_the_data_is_exact(keyed: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="udpverbs-mp-") as d:
-        with _daemon("uvMa", A_IPS, d, 43) as da, _daemon("uvMb", B_IPS, d, 44) as db:
+        extra: tuple[str, ...] = ()
+        if keyed:
+            # each address pair has its own pair key: a path's datagrams check only on that path
+            write_new_key(os.path.join(d, "key"))
+            extra = ("--key-file", os.path.join(d, "key"))
+        with _daemon("uvMa", A_IPS, d, 43, extra) as da, _daemon("uvMb", B_IPS, d, 44, extra) as db:
             a, b = _sides(da, db)
             try:
                 rng = random.Random(43)
@@ -96,6 +106,7 @@ def test_one_link_runs_over_both_paths_and_the_data_is_exact() -> None:
                         assert f["bytes_sent"] > 0 and f["bytes_received"] > 0, (mine[i], f)
                 stats = a.ctx.query_stats()
                 assert stats["paths"] == 2 and stats["paths_up"] == 2, stats
+                assert stats.get("auth_failed", 0) == 0 and stats.get("rx_unknown_path", 0) == 0, stats
                 # what udpverbs stat shows: a paths table with both pairs
                 daemon = tools.Daemon(da.socket_path)
                 try:
