@@ -31,9 +31,11 @@ datagram and places it.
 A device with several addresses (``paths.py``) has a socket for each; the
 pass reads the first as above, then each other one (:meth:`Receiver.read_more`).
 The first socket and a peer's first address are each link's path 0, found
-by the peer's address as ever, lanes and all; every other (socket, peer
-address) pair is a path of its own, found in the path map, and what comes
-on it goes the Python path, datagram by datagram, with its path id.  A
+by the peer's address as ever; every other (socket, peer address) pair is
+a path of its own, found in the path map, and what comes on it goes the
+Python path, datagram by datagram, with its path id.  (A link of several
+paths takes no run in the lane, ``Link.run_receivable``, so path 0 of such
+a link goes the Python path too; links of one path keep the lanes.)  A
 datagram on a pair the map does not know may open a path: the device
 decides (``Device._new_path``).
 """
