@@ -486,8 +486,12 @@ class LocalDaemons:
 
     def close(self) -> None:
         """Stop every daemon started and remove the runtime directory (safe twice)."""
-        while self.children:
-            self.children.pop().stop()
+        children, self.children = self.children, []
+        # All at once: each daemon takes a few hundred ms to wind down, and
+        # a table of runs stops two per run.
+        stop_processes([c.proc for c in children])
+        for child in children:
+            child.stop()  # its ready pipe; the process is reaped already
         if self.runtime_dir is not None:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
             self.runtime_dir = None

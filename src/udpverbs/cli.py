@@ -15,6 +15,10 @@ processes in the same run and prints it beside every row.
 the server posts each receive D µs after its reply, so the client's next
 Send is NACKed and resumed; the latencies include the wait.
 
+``udpverbs perf all --local`` runs every row of the README's results
+tables, each with its baseline, in rounds, and prints them as the README
+does (see :mod:`udpverbs.bench.table`).
+
 ``udpverbs demo`` is the first command to try after installing: a local
 write latency sweep and write bandwidth sweep with the baseline, the tables,
 and a plot.
@@ -37,12 +41,13 @@ Exit status: 0 on success, 2 for a usage error, 1 when the run failed.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
-from typing import Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from udpverbs import launch, tools
-from udpverbs.bench import group_perf, local, soak
+from udpverbs.bench import group_perf, local, soak, table
 from udpverbs.bench.control import DEFAULT_PORT, ControlError, accept, connect, listen
 from udpverbs.bench.perf import TESTS, OutputOptions, PerfParams, PerfUsageError, Session, hello, tty_progress, welcome
 from udpverbs.bench.plot import PlotUnavailable, plot_rows, require_matplotlib
@@ -163,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_command(argv: list[str]) -> argparse.Namespace:
-    """Parse the ``udpverbs`` command line (not ``perf lock_lat|barrier_lat``, see :func:`main`).
+    """Parse the ``udpverbs`` command line (not ``perf lock_lat|barrier_lat|all``, see :func:`main`).
 
     An argument no parser takes is reported with the usage of the
     sub-command it follows (argparse would print the top-level usage).
@@ -195,9 +200,9 @@ def _add_perf_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
 
 def _add_perf_workload(perf: argparse.ArgumentParser) -> None:
     """Add what every test takes: the test, sizes, iterations or duration, QPs, depth, MTU, polling."""
-    perf.add_argument("test", choices=[*TESTS, *group_perf.TESTS],
+    perf.add_argument("test", choices=[*TESTS, *group_perf.TESTS, "all"],
                       help="the test, as perftest's ib_<test>; lock_lat and barrier_lat measure the process group "
-                      "(udpverbs perf lock_lat -h)")
+                      "(udpverbs perf lock_lat -h); all runs the README's results tables (udpverbs perf all -h)")
     perf.add_argument("-s", "--size", type=_size, help="message size in bytes (default 2 for latency, 65536 for bandwidth)")
     perf.add_argument("-a", "--all", dest="all_sizes", action="store_true", help="run every size 2 … 2^23")
     perf.add_argument("--max-size", type=_size, default=1 << 23, help="largest size of an -a sweep (default 8M)")
@@ -577,6 +582,18 @@ def cmd_perf(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_table_run(argv: Sequence[str]) -> Callable[[], list[Row]]:
+    """One run of ``udpverbs perf all``: ``argv``, the words after ``udpverbs perf``, checked now.
+
+    Returns: the run, which returns its rows (the per-test output is dropped: the table prints them).
+    Raises: UsageError as ``udpverbs perf`` would.
+    """
+    args = parse_command(["perf", *argv])
+    params, daemon_args, placement = params_from_args(args), daemon_args_from(args), placement_from(args)
+    return lambda: run_local(params, json_out=True, progress=None, out=io.StringIO(), daemon_args=daemon_args,
+                             placement=placement)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run ``udpverbs demo``; returns the exit status."""
     rows: list[Row] = []
@@ -653,9 +670,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # lock_lat and barrier_lat have flags of their own (bench/group_perf.py)
     group_test = argv[:1] == ["perf"] and any(a in group_perf.TESTS for a in argv[1:])
-    args = None if group_test else parse_command(argv)
+    table_run = argv[:1] == ["perf"] and not group_test and "all" in argv[1:]
+    args = None if group_test or table_run else parse_command(argv)
     command = "perf" if args is None else args.command
     try:
+        if table_run:
+            return table.main(argv[1:], prepare_table_run, RUN_ERRORS)
         if args is None:
             return group_perf.main(argv[1:])
         if command == "perf":
@@ -669,10 +689,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command in tools.COMMANDS:
             return tools.main(args)
         return cmd_demo(args)
-    except (UsageError, group_perf.GroupUsageError, PlotUnavailable, tools.ToolUsageError) as e:
+    except (UsageError, group_perf.GroupUsageError, PlotUnavailable, tools.ToolUsageError, table.TableUsageError) as e:
         print(f"udpverbs {command}: error: {e}", file=sys.stderr)
         return 2
-    except RUN_ERRORS as e:
+    except (*RUN_ERRORS, table.TableRunError) as e:
         print(f"udpverbs {command}: failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

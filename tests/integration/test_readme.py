@@ -51,7 +51,7 @@ from typing import Iterator
 import pytest
 
 from udpverbs import cli
-from udpverbs.bench import group_perf
+from udpverbs.bench import group_perf, table
 from udpverbs.daemon import config as dconfig
 
 from .daemons import DaemonProc, running
@@ -293,6 +293,11 @@ def _check_udpverbs(words: list[str]) -> None:
     if words[:1] == ["perf"] and any(w in group_perf.TESTS for w in words[1:]):
         group_perf.params_from_args(group_perf.build_parser().parse_args(words[1:]))
         return
+    if words[:1] == ["perf"] and "all" in words[1:]:
+        opts = table.parse_options(words[1:])
+        for row in opts.rows:
+            cli.prepare_table_run(table.command_argv(row, opts.quick, opts.extra))
+        return
     args = cli.parse_command(words)
     if args.command == "perf":
         cli.output_from(args, cli.params_from_args(args))
@@ -319,7 +324,7 @@ def test_command_line_parses(where: str, argv: list[str]) -> None:
             (_check_udpverbs if argv[0] == "udpverbs" else _check_udpverbsd)(argv[1:])
     except SystemExit as e:
         pytest.fail(f"{where}: {shlex.join(argv)}: exit {e.code}: {err.getvalue()}")
-    except (cli.UsageError, group_perf.GroupUsageError, ValueError) as e:
+    except (cli.UsageError, group_perf.GroupUsageError, table.TableUsageError, ValueError) as e:
         pytest.fail(f"{where}: {shlex.join(argv)}: {e}")
 
 
