@@ -668,9 +668,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns: the exit status.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    # lock_lat and barrier_lat have flags of their own (bench/group_perf.py)
-    group_test = argv[:1] == ["perf"] and any(a in group_perf.TESTS for a in argv[1:])
-    table_run = argv[:1] == ["perf"] and not group_test and "all" in argv[1:]
+    # lock_lat, barrier_lat and all have flags of their own (bench/group_perf.py, bench/table.py);
+    # the test is the first word after perf that is not a flag (a flag's value could be "all")
+    test = next((a for a in argv[1:] if not a.startswith("-")), None) if argv[:1] == ["perf"] else None
+    group_test = test in group_perf.TESTS
+    table_run = test == "all"
     args = None if group_test or table_run else parse_command(argv)
     command = "perf" if args is None else args.command
     try:

@@ -165,6 +165,13 @@ def test_usage_errors_exit_2_before_any_run(argv: list[str], fragment: str, caps
     assert fragment in err and out == "" and "perf all:" not in err  # no run started
 
 
+def test_all_as_a_flags_value_is_not_the_table_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # the test is the first word after perf: here write_lat, whose parser refuses --rows
+    with pytest.raises(SystemExit) as e:
+        cli.main(["perf", "write_lat", "-d", "all", "--rows", "x"])
+    assert e.value.code == 2 and "unrecognized arguments: --rows x" in capsys.readouterr().err
+
+
 def test_quick_run_of_two_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["perf", "all", "--local", "--quick", "--rows", "write_bw,write_lat", "--rounds", "2"]) == 0
     out, err = capsys.readouterr()
