@@ -29,7 +29,11 @@ receiver owes each path on which DATA arrived since its last packet there
 an ACK: when an ACK is due it goes on every such path, on our DATA if some
 leaves on it, alone otherwise.  A path's data is thus acknowledged on the
 path itself (its ACK clock and RTT samples), and also by the cumulative ACK
-and SACK blocks of packets on the others (never waited for).
+and SACK blocks of packets on the others (never waited for).  Since the
+echo is exact (the time held is added), every packet arriving on p is a
+sample of p's round trip, whether or not it acknowledges anything new:
+the ACK on a slow path usually repeats what a copy on a fast one already
+said, and p's delay-based controller needs its delay all the same.
 
 Scheduling (MPTCP's default, the lowest-RTT path with room): each packet,
 first transmission or retransmission, goes on the usable path with the
@@ -89,6 +93,7 @@ from .scheduler import DOWN, PROBING, UP, Path, Scheduler, none
 
 _U32 = 0xFFFFFFFF
 _DATA = wl.PacketType.DATA
+_KEEPALIVE = wl.PacketType.KEEPALIVE
 _ESTABLISHED = LinkState.ESTABLISHED
 _PROBING, _UP, _DOWN = PROBING, UP, DOWN
 #: the header's path_id is a byte: path ids 0 .. 255
@@ -132,10 +137,15 @@ class Paths(Scheduler):
         It is *probing* (a probe leaves on it now) until a valid packet of
         this link arrives on it.
 
+        A passive link may take a path as soon as the peer has proven it
+        knows our tag (INIT_RECEIVED), as a packet on the new path may: the
+        owner adds the path, then hands it the packet.
+
         Raises:
-            RuntimeError: the link is not established, or has 256 paths.
+            RuntimeError: the link is not established (nor INIT_RECEIVED), or
+                has 256 paths.
         """
-        if self.state != _ESTABLISHED:
+        if self.state != _ESTABLISHED and self.state != LinkState.INIT_RECEIVED:
             raise RuntimeError(f"add_path() in state {self.state.name}")
         if self._mp is None:
             self._mp_start(now)
@@ -225,7 +235,8 @@ class Paths(Scheduler):
         self._last_heard = -1.0  # set again by a valid packet
         nout = len(self._out)
         type(self).datagram_received(self, data, now, arrived)  # type: ignore[attr-defined]
-        self._arrived_on(p, heard, nout, len(data) > 1 and data[1] == _DATA, now)
+        # DATA and KEEPALIVE ask for an ACK: it goes back on the path they came by
+        self._arrived_on(p, heard, nout, len(data) > 1 and (data[1] == _DATA or data[1] == _KEEPALIVE), now)
 
     def _mp_data_run_received(self, count: int, ack: int, ts_us: int, ts_echo_us: int, rwnd: int, flags: int,
                               last_ts_us: int, last_rwnd: int, flags_any: int, now: float,
@@ -252,16 +263,16 @@ class Paths(Scheduler):
         self._mp_rx = p
         return p
 
-    def _arrived_on(self, p: Path, heard: float, nout: int, data: bool, now: float) -> None:
+    def _arrived_on(self, p: Path, heard: float, nout: int, asks: bool, now: float) -> None:
         """After the link processed a datagram that arrived on ``p``: a valid
         one is news of the path (and the echo's), and what the link queued
-        in answer leaves on it."""
+        in answer leaves on it, as does the ACK it asks for (``asks``)."""
         if self._last_heard == -1.0:
             self._last_heard = heard  # not a valid packet of this link: no news of the path
         else:
             p.last_rx_ts = self._last_rx_ts
             p.last_rx_time = self._last_rx_time
-            if data:
+            if asks:
                 p.owed = True
             self._heard_on(p, now, "answered")
         out = self._out
@@ -290,8 +301,9 @@ class Paths(Scheduler):
         acknowledged packet leaves the flight of the path that carried it,
         and each path's RACK, controller and timer hear of their own."""
         p = self._mp_rx
-        if ack == self._last_ack_field and not sack and p.rtt.srtt_s is not None:
+        if ack == self._last_ack_field and not sack:
             self.peer_rwnd = rwnd
+            self._path_delay(p, ts_echo_us, now)
             return True
         rec = self.recovery
         una = rec.una
@@ -325,12 +337,9 @@ class Paths(Scheduler):
             self._sack_seen[s] = e if e > lo else lo
         if len(self._sack_seen) > 64:
             self._sack_seen = {k: v for k, v in self._sack_seen.items() if v > cum}
-        if acked or p.rtt.srtt_s is None:
-            s = self._path_rtt_sample(p, ts_echo_us, now)
-            if p not in acked and s is not None:
-                p.cc.on_packets_acked(0, s, now)
-            for q, (nbytes, maxtx, maxts) in acked.items():
-                self._path_acked(q, nbytes, maxtx, maxts, s if q is p else None, now)
+        s = self._path_delay(p, ts_echo_us, now) if p not in acked else self._path_rtt_sample(p, ts_echo_us, now)
+        for q, (nbytes, maxtx, maxts) in acked.items():
+            self._path_acked(q, nbytes, maxtx, maxts, s if q is p else None, now)
         if cum > una:
             self._rto_backoff = 1.0
             self._consecutive_rto = 0
@@ -362,6 +371,16 @@ class Paths(Scheduler):
             # RTT after it left was the original's arrival (RFC 8985 §6.2)
             if tx > a[1] and (not retx or now - t >= q.rtt.min_s):
                 a[1], a[2] = tx, t
+
+    def _path_delay(self, p: Path, echo: int, now: float) -> float | None:
+        """A packet on ``p`` that acknowledges nothing of ``p``'s still
+        measures its round trip (the echo is exact, see the module
+        docstring): its controller hears the delay.  Without this a path
+        whose data the others' ACKs acknowledge first would get no samples."""
+        s = self._path_rtt_sample(p, echo, now)
+        if s is not None:
+            p.cc.on_packets_acked(0, s, now)
+        return s
 
     def _path_rtt_sample(self, p: Path, echo: int, now: float) -> float | None:
         """``Link._rtt_sample`` for path ``p`` (the echo is of a packet sent on
