@@ -48,7 +48,7 @@ class Path:
                  "rack_rtt", "episode_tx", "reorder_deadline", "rto_deadline", "backoff", "suspect", "out",
                  "last_heard", "unanswered", "next_probe", "owed", "last_rx_ts", "last_rx_time", "cwnd_limited",
                  "datagrams_sent", "bytes_sent", "datagrams_received", "bytes_received", "retransmissions",
-                 "times_down")
+                 "times_down", "pmtud", "probe_id", "mtu_reported", "rto_streak")
 
     def __init__(self, pid: int, state: str, rtt: RttEstimator, cc: CongestionController, pacer: Pacer,
                  now: float) -> None:
@@ -83,6 +83,10 @@ class Path:
         self.bytes_received = 0
         self.retransmissions = 0
         self.times_down = 0
+        self.pmtud: Any = None  # its path MTU search (pmtud.Plpmtud) while up, if the link searches
+        self.probe_id = 0  # of its PROBE in flight
+        self.mtu_reported = False  # its search's end was reported
+        self.rto_streak = 0  # timeouts since its data was last acknowledged (a black hole?)
 
     def echo(self, now: float) -> int:
         """The echo rule, per path: the latest timestamp heard on it plus the

@@ -190,3 +190,32 @@ def test_every_path_cut_fails_the_link_only_after_the_retry_budget() -> None:
     # budget (the RTO from a few ms, doubling up to max_rto_s), not path_dead_s
     assert ends[0] - cut > 2 * cfg.max_rto_s > 100 * cfg.path_dead_s
     assert abs(ends[0] - ends[1]) < 0.1 * (ends[1] - cut)
+
+
+@pytest.mark.parametrize("signal", ["silent", "emsgsize"])
+def test_each_path_finds_its_own_mtu_and_the_link_sends_what_all_carry(signal: str) -> None:
+    # Path 0 carries jumbo datagrams, path 1 only 1472 bytes: dropped
+    # silently on the way, or refused by the sender's own stack.
+    small = 1472
+    base = small - wl.OVERHEAD
+    cfg = LinkConfig(max_payload=JUMBO, base_payload=base, cc_params=CC, min_rto_s=1e-3, path_dead_s=3e-3,
+                     path_probe_s=1e-3)
+    r = Run([FAST, SLOW], 0, cfg)
+    ch = r.nets[1][0]
+    if signal == "silent":
+        ch.mtu = r.nets[1][1].mtu = small
+    else:
+        ch.local_mtu = small
+    r.a.stream = bytes(random.Random(7).randbytes(3_000_000))
+    limits: list[tuple[float, int]] = []
+    r.at(0.002, lambda: limits.append((r.sim.now, r.la.payload_limit)))
+    r.at(0.003, lambda: set_path_up(r.nets, 1, False))
+    r.at(0.008, lambda: limits.append((r.sim.now, r.la.payload_limit)))
+    r.sim.run(2.0, max_events=2_000_000,
+              stop=lambda: len(limits) > 1 and sum(len(m) for m in r.b.received) >= len(r.a.stream))
+    assert b"".join(bytes(m) for m in r.b.received) == r.a.stream
+    # both up: what the small path carries; it down: the big one's size again
+    assert limits[0][1] <= base and limits[1][1] == JUMBO, limits
+    stats = r.la.path_stats(r.sim.now)
+    assert stats[0].plpmtu == JUMBO and stats[1].state == "down"
+    assert r.la.stats.pmtu_probes_acked and (signal == "silent" or r.la.stats.pmtu_too_big)
