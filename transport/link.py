@@ -143,7 +143,9 @@ class Link(Handshake, PathProbing, Timers, Paths, Builder):
         config: tunables.
         rng: source of the tag and ISN (and nothing else).
         incarnation: this daemon's run identifier, sent in INIT/INIT_ACK.
-        path_id: carried in every header (multi-path: one Link per path).
+        path_id: carried in every header of a single-path link (a
+            multi-path link writes the path each packet leaves on, its own
+            numbering: the receiver goes by the path its owner names).
         framer: the compiled module (``wire/native.py``) that frames runs of
             messages queued by :meth:`send_run`, or None: every packet is
             framed in Python (the same bytes either way).

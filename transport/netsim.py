@@ -281,7 +281,7 @@ class Endpoint:
             link.datagram_received(data, self.sim.now)
         else:
             pid = self._path_of.get(net)
-            if pid is None and link.state == LinkState.ESTABLISHED:
+            if pid is None and link.state in (LinkState.ESTABLISHED, LinkState.INIT_RECEIVED):
                 pid = self._map_path(net)
             link.datagram_received(data, self.sim.now, path=pid or 0)
         self.service()

@@ -29,7 +29,11 @@ receiver owes each path on which DATA arrived since its last packet there
 an ACK: when an ACK is due it goes on every such path, on our DATA if some
 leaves on it, alone otherwise.  A path's data is thus acknowledged on the
 path itself (its ACK clock and RTT samples), and also by the cumulative ACK
-and SACK blocks of packets on the others (never waited for).
+and SACK blocks of packets on the others (never waited for).  Since the
+echo is exact (the time held is added), every packet arriving on p is a
+sample of p's round trip, whether or not it acknowledges anything new:
+the ACK on a slow path usually repeats what a copy on a fast one already
+said, and p's delay-based controller needs its delay all the same.
 
 Scheduling (MPTCP's default, the lowest-RTT path with room): each packet,
 first transmission or retransmission, goes on the usable path with the
@@ -61,9 +65,15 @@ What leaves, and on which path, is ``scheduler.py``'s (:class:`Scheduler`,
 the base of :class:`Paths`); here are the paths' life, the input and the
 acknowledgements, and the timers.
 
-Path MTU: the search of ``pmtud.py`` stays the link's, its probes leaving on
-the best path; the message size is the link's.  A refused datagram
-(``datagram_refused``) lowers it for every path.
+Path MTU (``pmtud.py``, RFC 8899), per path: each up path runs its own
+search (path 0 goes on with the link's), its PROBEs leaving on it and
+answered on it; a datagram its socket refused (``datagram_refused(...,
+path=p)``) and a black hole (its timer expiring twice with none of its
+data acknowledged, larger messages lost) are its own.  The link's largest
+message (``payload_limit``) is the smallest PLPMTU of the paths up: what
+every one of them carries, whichever the scheduler picks.  A path coming
+up starts from the base size, so the link's size falls to it until that
+path's search has found more; a path going down no longer counts.
 
 Cost: a link is single-path until ``add_path``, and nothing here runs
 before.  The first ``add_path`` moves what is in flight to path 0 and puts
@@ -82,13 +92,17 @@ from typing import Any
 
 from ..wire import link as wl
 from .congestion.base import INF, create
+from ..wire.errors import WireError
 from .pacer import Pacer
+from .pmtud import BLACK_HOLE_RTOS, Plpmtud, PmtudState
 from .records import LinkState, PathChanged, PathStats
 from .recovery import RttEstimator
 from .scheduler import DOWN, PROBING, UP, Path, Scheduler, none
 
 _U32 = 0xFFFFFFFF
 _DATA = wl.PacketType.DATA
+_KEEPALIVE = wl.PacketType.KEEPALIVE
+_PROBE_ACK = wl.PacketType.PROBE_ACK
 _ESTABLISHED = LinkState.ESTABLISHED
 _PROBING, _UP, _DOWN = PROBING, UP, DOWN
 #: the header's path_id is a byte: path ids 0 .. 255
@@ -132,10 +146,15 @@ class Paths(Scheduler):
         It is *probing* (a probe leaves on it now) until a valid packet of
         this link arrives on it.
 
+        A passive link may take a path as soon as the peer has proven it
+        knows our tag (INIT_RECEIVED), as a packet on the new path may: the
+        owner adds the path, then hands it the packet.
+
         Raises:
-            RuntimeError: the link is not established, or has 256 paths.
+            RuntimeError: the link is not established (nor INIT_RECEIVED), or
+                has 256 paths.
         """
-        if self.state != _ESTABLISHED:
+        if self.state != _ESTABLISHED and self.state != LinkState.INIT_RECEIVED:
             raise RuntimeError(f"add_path() in state {self.state.name}")
         if self._mp is None:
             self._mp_start(now)
@@ -159,7 +178,15 @@ class Paths(Scheduler):
                               self.cc.cwnd_bytes, self.pacer.rate_Bps, 0, self.payload_limit)]
         return [PathStats(p.id, p.state, p.datagrams_sent, p.bytes_sent, p.datagrams_received, p.bytes_received,
                           p.retransmissions, p.rtt.srtt_s, self._min_rtt(p.rtt), p.cc.cwnd_bytes, p.pacer.rate_Bps,
-                          p.times_down, self.payload_limit) for p in self._mp.values()]
+                          p.times_down, self._plpmtu(p)) for p in self._mp.values()]
+
+    def _plpmtu(self, p: Path) -> int:
+        """What ``p`` is known to carry: its search's PLPMTU; 0 while it has
+        none (down or probing) and the link searches; without discovery,
+        the link's size."""
+        if p.pmtud is not None:
+            return int(p.pmtud.plpmtu)
+        return 0 if self.config.base_payload else self.payload_limit
 
     @staticmethod
     def _min_rtt(rtt: RttEstimator) -> float | None:
@@ -198,6 +225,10 @@ class Paths(Scheduler):
             p.rto_deadline = now + p.rtt.rto_s
             p.unanswered = now
         self._pto_deadline = None  # (tail loss probes are the single path's; a path has its timer)
+        if self.pmtud.state != PmtudState.DISABLED:
+            # the link's search goes on as path 0's
+            p.pmtud, p.probe_id, p.mtu_reported = self.pmtud, self._probe_id, self._search_reported
+            self._pmtu_deadline = None
         # The multi-path versions, on the instance: a single-path link never tests for them.
         self.datagram_received = self._mp_datagram_received  # type: ignore[method-assign]
         self.data_run_received = self._mp_data_run_received  # type: ignore[method-assign]
@@ -209,6 +240,8 @@ class Paths(Scheduler):
         self.bursts_to_send = self._mp_flat  # type: ignore[method-assign]
         self.datagrams_to_send = self._mp_flat  # type: ignore[method-assign]
         self.frame_alone = self.frame_run_alone = self.run_receivable = none  # type: ignore[method-assign]
+        self._probe_packet = self._mp_probe_packet  # type: ignore[method-assign]
+        self.datagram_refused = self._mp_datagram_refused  # type: ignore[method-assign]
 
     def _mp_flat(self, now: float, clock: Any = None) -> list[Any]:
         """``bursts_to_send`` while multi-path: everything, whatever its path
@@ -225,7 +258,8 @@ class Paths(Scheduler):
         self._last_heard = -1.0  # set again by a valid packet
         nout = len(self._out)
         type(self).datagram_received(self, data, now, arrived)  # type: ignore[attr-defined]
-        self._arrived_on(p, heard, nout, len(data) > 1 and data[1] == _DATA, now)
+        # DATA and KEEPALIVE ask for an ACK: it goes back on the path they came by
+        self._arrived_on(p, heard, nout, len(data) > 1 and (data[1] == _DATA or data[1] == _KEEPALIVE), now)
 
     def _mp_data_run_received(self, count: int, ack: int, ts_us: int, ts_echo_us: int, rwnd: int, flags: int,
                               last_ts_us: int, last_rwnd: int, flags_any: int, now: float,
@@ -252,16 +286,16 @@ class Paths(Scheduler):
         self._mp_rx = p
         return p
 
-    def _arrived_on(self, p: Path, heard: float, nout: int, data: bool, now: float) -> None:
+    def _arrived_on(self, p: Path, heard: float, nout: int, asks: bool, now: float) -> None:
         """After the link processed a datagram that arrived on ``p``: a valid
         one is news of the path (and the echo's), and what the link queued
-        in answer leaves on it."""
+        in answer leaves on it, as does the ACK it asks for (``asks``)."""
         if self._last_heard == -1.0:
             self._last_heard = heard  # not a valid packet of this link: no news of the path
         else:
             p.last_rx_ts = self._last_rx_ts
             p.last_rx_time = self._last_rx_time
-            if data:
+            if asks:
                 p.owed = True
             self._heard_on(p, now, "answered")
         out = self._out
@@ -281,6 +315,8 @@ class Paths(Scheduler):
             p.state = _UP
             p.next_probe = None
             self._events.append(PathChanged(p.id, _UP, reason))
+            if self.config.base_payload and p.pmtud is None:
+                self._path_pmtud_start(p, now)
 
     # --- acknowledgements -------------------------------------------------------
 
@@ -290,8 +326,9 @@ class Paths(Scheduler):
         acknowledged packet leaves the flight of the path that carried it,
         and each path's RACK, controller and timer hear of their own."""
         p = self._mp_rx
-        if ack == self._last_ack_field and not sack and p.rtt.srtt_s is not None:
+        if ack == self._last_ack_field and not sack:
             self.peer_rwnd = rwnd
+            self._path_delay(p, ts_echo_us, now)
             return True
         rec = self.recovery
         una = rec.una
@@ -325,12 +362,9 @@ class Paths(Scheduler):
             self._sack_seen[s] = e if e > lo else lo
         if len(self._sack_seen) > 64:
             self._sack_seen = {k: v for k, v in self._sack_seen.items() if v > cum}
-        if acked or p.rtt.srtt_s is None:
-            s = self._path_rtt_sample(p, ts_echo_us, now)
-            if p not in acked and s is not None:
-                p.cc.on_packets_acked(0, s, now)
-            for q, (nbytes, maxtx, maxts) in acked.items():
-                self._path_acked(q, nbytes, maxtx, maxts, s if q is p else None, now)
+        s = self._path_delay(p, ts_echo_us, now) if p not in acked else self._path_rtt_sample(p, ts_echo_us, now)
+        for q, (nbytes, maxtx, maxts) in acked.items():
+            self._path_acked(q, nbytes, maxtx, maxts, s if q is p else None, now)
         if cum > una:
             self._rto_backoff = 1.0
             self._consecutive_rto = 0
@@ -363,6 +397,16 @@ class Paths(Scheduler):
             if tx > a[1] and (not retx or now - t >= q.rtt.min_s):
                 a[1], a[2] = tx, t
 
+    def _path_delay(self, p: Path, echo: int, now: float) -> float | None:
+        """A packet on ``p`` that acknowledges nothing of ``p``'s still
+        measures its round trip (the echo is exact, see the module
+        docstring): its controller hears the delay.  Without this a path
+        whose data the others' ACKs acknowledge first would get no samples."""
+        s = self._path_rtt_sample(p, echo, now)
+        if s is not None:
+            p.cc.on_packets_acked(0, s, now)
+        return s
+
     def _path_rtt_sample(self, p: Path, echo: int, now: float) -> float | None:
         """``Link._rtt_sample`` for path ``p`` (the echo is of a packet sent on
         it); the link's estimator hears it too (its retransmission budget)."""
@@ -387,6 +431,7 @@ class Paths(Scheduler):
         q.cc.on_packets_acked(nbytes, rtt_s, now, q.cwnd_limited and q.max_tx >= q.episode_tx)
         q.pacer.rate_Bps = q.cc.pacing_rate_Bps(q.rtt.srtt_s)
         q.backoff = 1.0
+        q.rto_streak = 0
         q.rto_deadline = now + q.rtt.rto_s if q.flight else None
         if q is not self._mp_rx:
             self._heard_on(q, now, "acknowledged")
@@ -442,7 +487,8 @@ class Paths(Scheduler):
         dead = self.config.path_dead_s
         for p in self._mp.values():
             for d in (p.rto_deadline, p.reorder_deadline, p.next_probe,
-                      p.unanswered + dead if p.unanswered is not None and p.state != _DOWN else None):
+                      p.unanswered + dead if p.unanswered is not None and p.state != _DOWN else None,
+                      p.pmtud.deadline if p.pmtud is not None else None):
                 if d is not None and (t is None or d < t):
                     t = d
         return t
@@ -457,6 +503,12 @@ class Paths(Scheduler):
                 self._path_down(p, now)
             elif p.next_probe is not None and now >= p.next_probe:
                 self._probe(p, now)
+            m = p.pmtud
+            if m is not None and m.deadline is not None and now >= m.deadline:
+                lost = m.lost
+                size = m.timer(now, p.rtt.rto_s)
+                self.stats.pmtu_probes_lost += m.lost - lost
+                self._path_pmtud_did(p, size, now)
 
     def _mp_loss_timers(self, now: float) -> None:
         """Each path's reorder timer and retransmission timer."""
@@ -473,6 +525,8 @@ class Paths(Scheduler):
         is suspect until heard: a probe leaves on it each backed-off timeout."""
         p.rto_deadline = None
         if p.flight:
+            p.rto_streak += 1
+            self._black_hole(p, max(size for _, size, _, _ in p.flight.values()) - wl.OVERHEAD, now)
             self._path_lost(p, list(p.flight))
             p.cc.on_rto(now)
             p.pacer.rate_Bps = p.cc.pacing_rate_Bps(p.rtt.srtt_s)
@@ -500,6 +554,12 @@ class Paths(Scheduler):
         p.times_down += 1
         self._events.append(PathChanged(p.id, _DOWN, "silent"))
         self._probe(p, now)
+        if p.pmtud is not None:
+            p.pmtud = None  # searched again when it is back; the others' limit holds meanwhile
+            for q in self._mp.values():  # type: ignore[union-attr]
+                if q.state == _UP and q.pmtud is not None:
+                    self._path_pmtud_did(q, 0, now)
+                    break
 
     def _mp_on_rto(self, now: float) -> None:
         """The link's retransmission timer while multi-path: the budget alone
@@ -520,3 +580,65 @@ class Paths(Scheduler):
         if not self._where and not self._lost:
             self._probe(self._best(), now)  # the peer's window holds our data back: ask for it
         self._rto_deadline = now + rtt.rto_s * self._rto_backoff
+
+    # --- path MTU, per path -------------------------------------------------------
+
+    def _path_pmtud_start(self, p: Path, now: float) -> None:
+        """``p`` is up: its own search (``pmtud.py``), from the base size."""
+        c = self.config
+        base = min(c.base_payload, c.max_payload)
+        p.pmtud = Plpmtud(c.min_payload or base, base, c.max_payload)
+        p.mtu_reported = False
+        self._path_pmtud_did(p, p.pmtud.start(self.peer_max_payload, now, p.rtt.rto_s), now)
+
+    def _path_pmtud_did(self, p: Path, size: int, now: float) -> None:
+        """``p``'s search moved: its probe leaves on it, and the link's largest
+        message is what every up path carries."""
+        if size:
+            p.probe_id = (p.probe_id + 1) & _U32
+            p.out.append(self._probe_datagram(size, p.probe_id, p.id, p.echo(now), now))  # type: ignore[attr-defined]
+            self.stats.pmtu_probes_sent += 1
+        limit = None
+        for q in self._mp.values():  # type: ignore[union-attr]
+            if q.state == _UP and q.pmtud is not None and (limit is None or q.pmtud.plpmtu < limit):
+                limit = q.pmtud.plpmtu
+        if limit is not None:
+            p.mtu_reported = self._pmtud_limit(min(limit, self.peer_max_payload), p.pmtud,  # type: ignore[attr-defined]
+                                               p.mtu_reported)
+
+    def _mp_probe_packet(self, ptype: int, body: memoryview, now: float) -> None:
+        """``_probe_packet`` while multi-path: a PROBE_ACK answers the probe
+        of the path it arrived on (a PROBE is answered on it, as any)."""
+        if ptype != _PROBE_ACK:
+            type(self)._probe_packet(self, ptype, body, now)  # type: ignore[attr-defined]
+            return
+        p = self._mp_rx
+        m = p.pmtud
+        try:
+            probe_id, size = wl.decode_probe_ack_untrusted(body)
+        except WireError:
+            self.stats.malformed += 1
+            return
+        if m is None or probe_id != p.probe_id or not m.probed or size != m.probed:
+            self.stats.unexpected += 1
+            return
+        self.stats.pmtu_probes_acked += 1
+        self._path_pmtud_did(p, m.probe_acked(size, now, p.rtt.rto_s), now)
+
+    def _mp_datagram_refused(self, size: int, now: float, path: int = 0) -> None:
+        """``datagram_refused`` while multi-path: the PTB of that path's search."""
+        p = self._mp.get(path) if self._mp is not None else None
+        if p is None or p.pmtud is None or p.pmtud.state == PmtudState.DISABLED:
+            return
+        self.stats.pmtu_too_big += 1
+        self._path_pmtud_did(p, p.pmtud.too_big(size - wl.OVERHEAD, now, p.rtt.rto_s), now)
+
+    def _black_hole(self, p: Path, largest: int, now: float) -> None:
+        """``p``'s timer expired again with nothing of it acknowledged, the
+        largest message lost on it larger than the base size: it stopped
+        carrying what its search found (``pmtud.py``'s black hole)."""
+        m = p.pmtud
+        if m is not None and p.rto_streak >= BLACK_HOLE_RTOS and m.plpmtu > m.base and largest > m.base:
+            self.stats.pmtu_black_holes += 1
+            p.rto_streak = 0
+            self._path_pmtud_did(p, m.black_hole(now, p.rtt.rto_s), now)

@@ -278,14 +278,21 @@ class PathProbing:
         m = self.pmtud
         if size:
             self._probe_id = (self._probe_id + 1) & _U32
-            ack, rwnd, _ = self.receiver.feedback()
-            # No SACK blocks: the probe's size must be exactly the one tried.
-            self._out.append(_encode_fields(_PROBE, 0, self.path_id, self.peer_tag,
-                                            (self.isn + self._snd_nxt) & _U32, ack, int(now * 1e6) & _U32,
-                                            self._echo(now), rwnd, wl.encode_probe(self._probe_id, size)))
+            self._out.append(self._probe_datagram(size, self._probe_id, self.path_id, self._echo(now), now))
             self.stats.pmtu_probes_sent += 1
         self._pmtu_deadline = m.deadline
-        limit = min(m.plpmtu, self.peer_max_payload)
+        self._search_reported = self._pmtud_limit(min(m.plpmtu, self.peer_max_payload), m, self._search_reported)
+
+    def _probe_datagram(self, size: int, probe_id: int, path_id: int, echo: int, now: float) -> bytes:
+        """A PROBE of a ``size``-byte body (no SACK blocks: the size must be
+        exactly the one tried)."""
+        ack, rwnd, _ = self.receiver.feedback()
+        return _encode_fields(_PROBE, 0, path_id, self.peer_tag, (self.isn + self._snd_nxt) & _U32, ack,
+                              int(now * 1e6) & _U32, echo, rwnd, wl.encode_probe(probe_id, size))
+
+    def _pmtud_limit(self, limit: int, m: Plpmtud, reported: bool) -> bool:
+        """The largest message is now ``limit`` (``m``: the search that moved;
+        ``reported``: its end was reported).  Returns whether it has ended."""
         changed = limit != self.payload_limit
         if changed:
             self.payload_limit = limit
@@ -295,10 +302,10 @@ class PathProbing:
             self.fragment_above = limit + wl.OVERHEAD if limit < self._payload_high else 0
         # a search that ended short of what we allow is news once (the owner warns)
         ended = m.state == PmtudState.SEARCH_COMPLETE
-        short = ended and not self._search_reported and limit < self.config.max_payload
-        self._search_reported = ended
+        short = ended and not reported and limit < self.config.max_payload
         if changed or short:
             self._events.append(PathMtu(limit, m.state.name, m.max))
+        return ended
 
     def _pmtud_start(self, now: float) -> None:
         """The link is established: the peer's largest body is known."""

@@ -48,7 +48,7 @@ class Path:
                  "rack_rtt", "episode_tx", "reorder_deadline", "rto_deadline", "backoff", "suspect", "out",
                  "last_heard", "unanswered", "next_probe", "owed", "last_rx_ts", "last_rx_time", "cwnd_limited",
                  "datagrams_sent", "bytes_sent", "datagrams_received", "bytes_received", "retransmissions",
-                 "times_down")
+                 "times_down", "pmtud", "probe_id", "mtu_reported", "rto_streak")
 
     def __init__(self, pid: int, state: str, rtt: RttEstimator, cc: CongestionController, pacer: Pacer,
                  now: float) -> None:
@@ -83,6 +83,10 @@ class Path:
         self.bytes_received = 0
         self.retransmissions = 0
         self.times_down = 0
+        self.pmtud: Any = None  # its path MTU search (pmtud.Plpmtud) while up, if the link searches
+        self.probe_id = 0  # of its PROBE in flight
+        self.mtu_reported = False  # its search's end was reported
+        self.rto_streak = 0  # timeouts since its data was last acknowledged (a black hole?)
 
     def echo(self, now: float) -> int:
         """The echo rule, per path: the latest timestamp heard on it plus the
@@ -171,6 +175,8 @@ class Scheduler:
                 p.out = []
         if self.state == _ESTABLISHED:
             sent = self._mp_send_data(outs, now, clock)
+            for p in sent:
+                p.owed = False  # (the ACK rode on our DATA)
             if due:
                 self._acks_alone(outs, sent, now)
             elif rx.ack_count and d is None:
@@ -179,7 +185,6 @@ class Scheduler:
         nsent = 0
         for p, out in outs.items():
             if out:
-                p.owed = False
                 p.datagrams_sent += len(out)
                 p.bytes_sent += sum(len(x) for x in out)
                 nsent += len(out)
@@ -187,14 +192,17 @@ class Scheduler:
         self.stats.datagrams_sent += nsent
         return result
 
-    def _acks_alone(self, outs: dict[Path, list[Any]], carried: bool, now: float) -> None:
+    def _acks_alone(self, outs: dict[Path, list[Any]], carried: dict[Path, int], now: float) -> None:
         """An ACK is due: alone on every path owed one that no DATA of ours
-        leaves on (the best one if none is owed and none left)."""
+        left on (``carried``), or on the best one if none is owed and no
+        DATA left.  (A control packet built before is no answer: its ACK
+        fields are older than what is owed.)"""
         assert self._mp is not None
-        owed = [p for p in self._mp.values() if p.owed and p.state != _DOWN and not outs.get(p)]
+        owed = [p for p in self._mp.values() if p.owed and p.state != _DOWN]
         if not owed and not carried:
             owed = [self._best()]
         for p in owed:
+            p.owed = False
             ack, ts, echo, rwnd = self._feedback_fields(p, now)
             sack = self.receiver.sack_blocks() if self.receiver.ranges else ()
             outs.setdefault(p, []).append(_encode_fields(_ACK, 0, p.id, self.peer_tag,
@@ -226,9 +234,10 @@ class Scheduler:
                 return n
         return None
 
-    def _mp_send_data(self, outs: dict[Path, list[Any]], now: float, clock: Any) -> bool:
+    def _mp_send_data(self, outs: dict[Path, list[Any]], now: float, clock: Any) -> dict[Path, int]:
         """The DATA that may leave now, lost messages first, each on the path
-        ``_pick`` names; their bookkeeping.  Returns True if any left."""
+        ``_pick`` names; their bookkeeping.  Returns the paths it left on
+        (and its bytes on each)."""
         rec = self.recovery
         limit = min(self._next_n, rec.una + self.peer_rwnd)
         snd_nxt, next_n = self._snd_nxt, self._next_n
@@ -282,10 +291,9 @@ class Scheduler:
         waiting = bool(self._lost) or snd_nxt < limit
         for p in self._mp.values():  # type: ignore[union-attr]
             p.cwnd_limited = waiting and p.bytes_in_flight >= p.cc.cwnd_bytes or p.bytes_in_flight * 2 >= p.cc.cwnd_bytes
-        if not sent:
-            return False
-        self._data_left(sent, count, now)
-        return True
+        if sent:
+            self._data_left(sent, count, now)
+        return sent
 
     def _pace_wait(self) -> None:
         """Data waits and no path may send it now: wake when the first pacer
