@@ -371,6 +371,26 @@ def daemon_ip(index: int) -> str:
     return f"127.0.0.{index + 2}"
 
 
+def path_addresses(index: int, paths: int) -> list[str]:
+    """The ``--addr`` values of local daemon ``index`` with ``paths``
+    addresses: :func:`daemon_ip` ``(index)``, then the same host number in
+    127.1.0.0/24, 127.2.0.0/24, ... (loopback answers on all of
+    127.0.0.0/8), each with its /24, so that every daemon pairs its k-th
+    address with every other daemon's k-th (``daemon/paths.py``).
+
+    Raises: ValueError past 127.0.0.254 or for paths outside 1..MAX_ADDRESSES.
+    """
+    from ..daemon.paths import MAX_ADDRESSES
+
+    if not 1 <= paths <= MAX_ADDRESSES:
+        raise ValueError(f"a local daemon has 1 to {MAX_ADDRESSES} addresses, not {paths}")
+    ip = daemon_ip(index)
+    if paths == 1:
+        return [ip]
+    host = ip.rsplit(".", 1)[1]
+    return [f"{ip}/24"] + [f"127.{k}.0.{host}/24" for k in range(1, paths)]
+
+
 @dataclass
 class LocalDaemons:
     """``count`` udpverbs daemons, one per loopback "host", started and stopped by pid.
@@ -388,6 +408,7 @@ class LocalDaemons:
     first two), ``names[i]`` its device name and, once :meth:`wait_ready`
     has returned, ``members[i]`` its ``(ip, udp_port)``.  The sockets live
     in a private temporary directory (``runtime_dir``) removed at the end.
+    ``paths`` > 1 gives each daemon that many addresses (:func:`path_addresses`).
     """
 
     mtu: int = 1500
@@ -400,6 +421,7 @@ class LocalDaemons:
     names: list[str] = field(default_factory=list)
     members: list[tuple[str, int]] = field(default_factory=list)
     runtime_dir: str | None = None
+    paths: int = 1
 
     @property
     def server_device(self) -> str | None:
@@ -439,7 +461,9 @@ class LocalDaemons:
         for i, ip in enumerate(ips):
             name = self._name(i)
             path = os.path.join(self.runtime_dir, f"{name}.sock")
-            argv = verbs_perf.daemon_command(ip, name, path, self.mtu - 28, self.daemon_args)
+            addrs = path_addresses(i, self.paths)
+            more = [f for a in addrs[1:] for f in ("--addr", a)]
+            argv = verbs_perf.daemon_command(addrs[0], name, path, self.mtu - 28, [*more, *self.daemon_args])
             self.children.append(spawn(argv, stdout=subprocess.DEVNULL, cpus=self._cpus(i)))
             self.devices.append(path)
             self.names.append(name)

@@ -43,14 +43,15 @@ async def run(cfg: dict[str, Any]) -> None:
                                  spin_us=float(cfg["spin_us"]), seed=cfg["seed"], cc=str(cfg["cc"]),
                                  link=cfg["link"], gso=cfg["gso"], native=cfg["native"],
                                  rx_dispatch_budget=cfg["rx_dispatch_budget"], quota=cfg["quota"], key=cfg["key"],
-                                 impair=cfg["impair"]))
+                                 impair=cfg["impair"], addrs=cfg["addrs"], impair_addr=cfg["impair_addr"]))
     served = False
     endpoint = None
     try:
         try:
             ip, port = device.bind()
         except OSError as e:
-            raise OSError(e.errno, f"cannot bind UDP {cfg['addr']}:{cfg['port']}: {e.strerror}"
+            where = e.filename or f"{cfg['addr']}:{cfg['port']}"
+            raise OSError(e.errno, f"cannot bind UDP {where}: {e.strerror}"
                           " (another udpverbs daemon on this port?)") from None
         ConnectionManager(device)
         groups = GroupService(device)
@@ -61,8 +62,9 @@ async def run(cfg: dict[str, Any]) -> None:
                 await nursery.start(serve_control, device, path)
                 await nursery.start(device.loop.run)
                 await nursery.start(groups.run)
-                log.info("udpverbsd %s: udp %s:%d, control %s, mtu %d, cc %s, pid %d, version %s", cfg["name"],
-                         ip, port, path, cfg["mtu"], cfg["cc"], os.getpid(), udpverbs.__version__)
+                more = "".join(f" +{a.ip}" for a in cfg["addrs"][1:])
+                log.info("udpverbsd %s: udp %s:%d%s, control %s, mtu %d, cc %s, pid %d, version %s", cfg["name"],
+                         ip, port, more, path, cfg["mtu"], cfg["cc"], os.getpid(), udpverbs.__version__)
                 served = True
                 if cfg.get("ready_fd") is not None:
                     os.write(cfg["ready_fd"], f"ready {ip} {port} {path}\n".encode())

@@ -32,6 +32,7 @@ from ..wire import link as wire_link
 from ..wire.auth import TRAILER_LEN
 from . import heap
 from .clusterkey import load_key
+from .paths import LocalAddress, parse_address, parse_addresses
 from .quota import Quota
 
 DEFAULT_PORT = 18515  #: our UDP port (perftest's TCP port number; not RoCEv2's 4791)
@@ -82,7 +83,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="udpverbsd", description="udpverbs daemon: an emulated iWARP RNIC over UDP")
     p.add_argument("--config", help="TOML file with the same keys as the long flags (e.g. port = 18515)")
     p.add_argument("--name", help=f"device name (default {DEFAULT_NAME})")
-    p.add_argument("--addr", help="IPv4 address to bind the UDP socket to (default 127.0.0.1)")
+    p.add_argument("--addr", action="append", metavar="ADDR[/PREFIX]",
+                   help="IPv4 address to bind a UDP socket to (default 127.0.0.1); repeat it for several networks, "
+                   "each a path of every link (the first is the device's GID; /PREFIX says its subnet, for pairing "
+                   "paths with a peer's addresses)")
     p.add_argument("--port", type=int, help=f"UDP port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--socket", help="control socket path (default <runtime dir>/<name>.sock)")
     p.add_argument("--mtu", type=int, help=f"UDP payload bytes per datagram (default {DEFAULT_MTU})")
@@ -116,6 +120,8 @@ def parser() -> argparse.ArgumentParser:
                    help="impair every datagram this daemon sends, as tc netem would, to test on a bad network: "
                    "e.g. loss=0.05,dup=0.02,reorder=0.05,corrupt=0.001,delay=200us,jitter=50us,rate=1gbit "
                    "(seeded by --seed; TOML table [impair])")
+    p.add_argument("--impair-addr", metavar="ADDR",
+                   help="impair only what leaves from this one of the --addr addresses (default: all of them)")
     p.add_argument("--ready-fd", type=int, metavar="FD",
                    help="once serving, write the line 'ready IP PORT SOCKET' to this inherited pipe and close it "
                    "(PORT: the UDP port, the one --port 0 picked); nothing is written if the start fails "
@@ -150,7 +156,7 @@ def check_metrics_addr(text: str) -> tuple[str, int]:
 
 
 _KEYS = ("name", "addr", "port", "socket", "mtu", "log_level", "spin_us", "seed", "cc", "gso", "native",
-         "rx_dispatch_budget", "heap_keep_mb", "key_file", "metrics")
+         "rx_dispatch_budget", "heap_keep_mb", "key_file", "metrics", "impair_addr")
 
 
 def parse_flags(argv: list[str] | None) -> argparse.Namespace:
@@ -185,7 +191,8 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     cfg: dict[str, Any] = {"name": DEFAULT_NAME, "addr": "127.0.0.1", "port": DEFAULT_PORT, "socket": None,
                            "mtu": DEFAULT_MTU, "log_level": "INFO", "spin_us": 200.0, "seed": None,
                            "cc": "efe-host", "gso": True, "native": True, "rx_dispatch_budget": 8,
-                           "heap_keep_mb": heap.DEFAULT_KEEP_MB, "key_file": None, "metrics": None}
+                           "heap_keep_mb": heap.DEFAULT_KEEP_MB, "key_file": None, "metrics": None,
+                           "impair_addr": None}
     if args.config:
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
@@ -205,6 +212,7 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(f"rx_dispatch_budget must be a whole number, not {budget!r}")
     heap.check_keep_mb(cfg["heap_keep_mb"])
+    _addresses(cfg)
     check_mtu(cfg["mtu"])
     if cfg["metrics"] is not None:
         cfg["metrics"] = check_metrics_addr(cfg["metrics"])
@@ -215,6 +223,23 @@ def load(argv: list[str] | None = None, *, exit_on_error: bool = True) -> dict[s
     if cfg["socket"] is None:
         cfg["socket"] = socket_path(cfg["name"])
     return cfg
+
+
+def _addresses(cfg: dict[str, Any]) -> None:
+    """``addr`` (one address or several) as ``addrs``, the LocalAddress list
+    (``paths.py``), and ``addr``, the first's IP (the device's GID).
+
+    Raises: ValueError for a bad address list, or an ``impair_addr`` that is none of them.
+    """
+    addrs = parse_addresses(cfg["addr"])
+    cfg["addrs"] = addrs
+    cfg["addr"] = addrs[0].ip
+    if cfg["impair_addr"] is not None:
+        ip = parse_address(cfg["impair_addr"]).ip
+        if ip not in [a.ip for a in addrs]:
+            raise ValueError(f"impair_addr {cfg['impair_addr']!r} is not one of the addresses "
+                             f"({', '.join(a.ip for a in addrs)})")
+        cfg["impair_addr"] = ip
 
 
 def _settings(table: str, cfg: dict[str, Any], flags: list[str]) -> dict[str, Any]:
@@ -290,9 +315,12 @@ class DeviceConfig:
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
                  gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8,
                  quota: Quota | None = None, key: bytes | None = None,
-                 impair: ImpairSpec | None = None) -> None:
+                 impair: ImpairSpec | None = None, addrs: list[LocalAddress] | None = None,
+                 impair_addr: str | None = None) -> None:
         self.name = name
-        self.addr = addr
+        #: every local address, one UDP socket each (``paths.py``); the first is ``addr``, the GID
+        self.addrs = list(addrs) if addrs else [LocalAddress(addr, None)]
+        self.addr = self.addrs[0].ip
         self.port = port
         self.mtu = check_mtu(mtu)
         self.spin_s = spin_us * 1e-6
@@ -323,6 +351,8 @@ class DeviceConfig:
         self.key = key
         #: what to do to every datagram sent (``--impair``; None: nothing)
         self.impair = impair
+        #: the one local address ``impair`` applies to (None: every one)
+        self.impair_addr = impair_addr
 
 
 def link_config(config: DeviceConfig) -> LinkConfig:

@@ -146,7 +146,7 @@ class Session:
     def op_query_stats(self, req: Any, fds: list[int]) -> tuple[bytes, list[int]]:
         # with the daemon's CPU time so far, all its threads (what `udpverbs
         # perf --cpu_util` turns into a share of one CPU over a run)
-        stats = status.counters(self.device)
+        stats = status.counters(self.device, paths=True)
         text = "".join(f"{k} {v}\n" for k, v in sorted(stats.items()))
         return ctl.encode_reply(Op.QUERY_STATS, count=len(stats), data=text.encode()), []
 

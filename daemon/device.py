@@ -13,7 +13,8 @@ module of its own, in one direction of dependency (``tests/test_layering.py``):
 ``cq``          completion queues, completion channels, SRQs
 ``ports``       what the engine asks of the device (``QPHost``, ``PeerHost``)
 ``policy``      when a pass sends: as soon as it can, or in pass order
-``udp``         the UDP socket: batching (GSO/GRO), arrival stamps
+``paths``       several local addresses: parsing, subnets, pairing, the path map
+``udp``         the UDP sockets: batching (GSO/GRO), arrival stamps
 ``impaired``    ``--impair``: the socket's send side through an impairment model
 ``peer``        one reliable link to a peer daemon, and what QPs send on it
 ``qp``          queue pairs, by role: ``requester``, ``responder``, ``completer``
@@ -66,7 +67,7 @@ from typing import Any, Iterable
 
 import trio
 
-from ..transport.link import Link, LinkFailed, LinkUp, PathMtu
+from ..transport.link import Link, LinkFailed, LinkState, LinkUp, PathChanged, PathMtu
 from ..transport.cookie import CookieJar
 from ..transport.impair import Impairment
 from ..transport.sockbuf import datagrams_that_fit
@@ -78,8 +79,9 @@ from ..wire.shm import EventType
 from . import tables
 from .clusterkey import Guard
 from .config import DeviceConfig, link_config
-from .impaired import ImpairedSocket
+from .impaired import ImpairedSocket, ImpairedSockets
 from .loop import DataLoop, hand_over
+from .paths import PathMap, kernel_networks, pair_addresses, subnet_of
 from .peer import PeerLink, SendLane
 from .policy import EAGER, LoopPolicy
 from .receive import Receiver
@@ -90,6 +92,8 @@ from .udp import UdpPort
 log = logging.getLogger("udpverbs.daemon")
 
 MAX_LINKS = 1024
+#: the most paths one link may have (each pair of addresses at most one)
+MAX_PATHS = 16
 def may_share_a_cpu(pids: Iterable[int]) -> bool:
     """Whether any process in ``pids`` may run on a CPU this one may run on
     (by their affinity masks).  A mask that cannot be read (the process is
@@ -153,6 +157,16 @@ class Device:
         self.clock = trio.current_time
         self.native = wire_native.load() if config.native else None
         self.udp = UdpPort(self.stats)
+        #: one port per local address (``config.addrs``), ``udp`` first
+        self.ports = [self.udp] + [UdpPort(self.stats) for _ in config.addrs[1:]]
+        #: what the handshake tells peers of our addresses (bind; empty with one address)
+        self.local_addresses: tuple[tuple[str, int], ...] = ()
+        #: each local address's subnet, for pairing (bind)
+        self.subnets: list[Any] = []
+        #: the paths beyond each link's path 0, by (socket, peer address) (``paths.py``)
+        self.paths = PathMap()
+        #: links by their own tag (``Link.tag``), for a datagram of a path not yet known
+        self.by_tag: dict[int, PeerLink] = {}
         self.tx_lane = SendLane(self.native) if self.native is not None else None
         self.scheduler = QPScheduler(self.qps, self.native, self.stats)
         self.qp_changed = self.scheduler.qp_changed
@@ -162,6 +176,8 @@ class Device:
             self.native, self.qps, self.stags, self.stats, self.scheduler, policy.eager_answers)
         self.receiver = Receiver(self.udp, self.links, self.qps, self.scheduler, self.lane, self.stats,
                                  config.rx_dispatch_budget, self._passive_link)
+        if len(self.ports) > 1:
+            self.receiver.more_ports(self.ports, self.paths, self._new_path)
         self.loop = DataLoop(self, config.spin_s, config.max_sleep_s)
         #: the most whole requests an armed lane call may take (its dispatch budget)
         self.arm_limit = config.rx_dispatch_budget or WHOLE_MAX
@@ -175,7 +191,7 @@ class Device:
         # pass that no QP it left out had work (QPScheduler.check)
         self.check_passes = os.environ.get("UDPVERBS_CHECK_PASSES", "") not in ("", "0")
         #: the egress impairment (``--impair``), in place once bound; None: none
-        self.impair: ImpairedSocket | None = None
+        self.impair: ImpairedSocket | ImpairedSockets | None = None
 
     @property
     def cm(self) -> Any:
@@ -197,9 +213,26 @@ class Device:
 
     # -- setup ----------------------------------------------------------------
     def bind(self) -> tuple[str, int]:
-        """Bind the UDP socket.  Raises OSError (EADDRINUSE: another daemon has it)."""
-        addr = self.udp.bind(self.config.addr, self.config.port, self.config.gso)
-        self.config.port = addr[1]
+        """Bind the UDP sockets, every address on the first one's port.
+
+        Raises: OSError (EADDRINUSE: another daemon has it), its ``filename``
+        the ``ADDR:PORT`` that could not be bound.
+        """
+        addrs = self.config.addrs
+        port = self.config.port
+        for udp, a in zip(self.ports, addrs):
+            try:
+                port = udp.bind(a.ip, port, self.config.gso)[1]
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, f"{a.ip}:{port}") from None
+        addr = self.udp.sock.getsockname()  # type: ignore[union-attr]
+        self.config.port = port
+        if len(addrs) > 1:
+            self.local_addresses = tuple((a.ip, port) for a in addrs)
+            networks = kernel_networks()
+            self.subnets = [subnet_of(a, networks) for a in addrs]
+            log.info("paths: local addresses %s (subnets %s)", " ".join(f"{ip}:{p}" for ip, p in self.local_addresses),
+                     " ".join(str(n) for n in self.subnets))
         # Flow control must keep what a peer may have in flight inside our
         # socket buffer, or a blasting sender loses datagrams to overflow:
         # datagrams of --mtu, until a link's path MTU search finds what
@@ -207,15 +240,18 @@ class Device:
         self.link_config.rwnd_packets = datagrams_that_fit(self.udp.receive_buffer_bytes(), self.config.mtu,
                                                            high=self.rwnd_high)
         if self.config.key is not None:
-            self.udp.seal_with(Guard(self.config.key, addr, self.stats))
+            for udp, a in zip(self.ports, addrs):
+                # each address's own pair keys: a datagram checks only on the path it was sent on
+                udp.seal_with(Guard(self.config.key, (a.ip, port), self.stats))
             if self.lane is not None:
                 self.lane.may_arm = False
             log.info("cluster key set: every datagram authenticated; the compiled armed read is off "
                      "(it would place a datagram before its tag is checked)")
         if self.config.impair is not None:
             self._impair()
+        for udp in self.ports:
+            self.loop.add_socket(udp.sock.fileno())  # type: ignore[union-attr]
         fd = self.udp.sock.fileno()  # type: ignore[union-attr]
-        self.loop.add_socket(fd)
         if self.lane is not None:
             self.lane.recv.fd = fd
         return addr
@@ -225,15 +261,22 @@ class Device:
         spec = self.config.impair
         seed = self.config.seed if self.config.seed is not None else secrets.randbits(32)
         # the name too: two daemons given one --seed impair differently
-        model = Impairment(spec, random.Random(f"impair {seed} {self.config.name}"))
-        self.impair = ImpairedSocket(self.udp.sock, model, lambda: self.clock(), self.stats,
-                                     self.udp.gso)
-        # in the socket's place: the last step before the wire, after
-        # everything the device puts into a datagram
-        self.udp.sock = self.impair  # type: ignore[assignment]
-        log.warning("IMPAIRED: every datagram this daemon sends goes through %s (seed %d%s), each of a "
-                    "UDP_SEGMENT run too; counters impair_*. A test setting, not for production.", spec.describe(),
-                    seed,
+        only = self.config.impair_addr
+        impaired = []
+        for udp, a in zip(self.ports, self.config.addrs):
+            if only is not None and a.ip != only:
+                continue
+            # the name (and the address) too: two daemons given one --seed impair differently
+            tail = "" if a.ip == self.config.addr else f" {a.ip}"
+            model = Impairment(spec, random.Random(f"impair {seed} {self.config.name}{tail}"))
+            impaired.append(ImpairedSocket(udp.sock, model, lambda: self.clock(), self.stats, udp.gso))
+            # in the socket's place: the last step before the wire, after
+            # everything the device puts into a datagram
+            udp.sock = impaired[-1]  # type: ignore[assignment]
+        self.impair = impaired[0] if len(impaired) == 1 else ImpairedSockets(impaired)
+        log.warning("IMPAIRED: every datagram this daemon sends%s goes through %s (seed %d%s), each of a "
+                    "UDP_SEGMENT run too; counters impair_*. A test setting, not for production.",
+                    "" if only is None else f" from {only}", spec.describe(), seed,
                     "" if self.config.seed is not None else ", drawn: give --seed to repeat it")
 
     def sessions_changed(self) -> None:
@@ -266,7 +309,8 @@ class Device:
         if self.impair is not None:
             # what is held (the ABORTs among it) leaves now rather than never
             self.impair.release(float("inf"))
-        self.udp.close()
+        for udp in self.ports:
+            udp.close()
         self.loop.close()
 
     def announce_fatal(self) -> None:
@@ -290,8 +334,11 @@ class Device:
 
     def _new_link(self, addr: tuple[str, int]) -> PeerLink:
         link = Link(self.link_config, rng=self.rng, incarnation=self.incarnation, framer=self.native)
+        if self.local_addresses:
+            link.local_addresses = self.local_addresses
         pl = PeerLink(self, addr, link)
         self.links[addr] = pl
+        self.by_tag[link.tag] = pl
         return pl
 
     def get_link(self, addr: tuple[str, int]) -> PeerLink:
@@ -351,6 +398,11 @@ class Device:
     def _link_event(self, pl: PeerLink, ev: Any) -> None:
         if isinstance(ev, LinkUp):
             log.info("link to %s:%d up", *pl.addr)
+            if self.local_addresses and pl.link.peer_addresses:
+                self._pair_paths(pl)
+            return
+        if isinstance(ev, PathChanged):
+            self._path_changed(pl, ev)
             return
         if isinstance(ev, PathMtu):
             self._path_mtu(pl, ev)
@@ -364,6 +416,10 @@ class Device:
         if self.links.get(pl.addr) is pl:
             del self.links[pl.addr]
             self._keep_link_totals(pl)
+        if self.by_tag.get(pl.link.tag) is pl:
+            del self.by_tag[pl.link.tag]
+        if pl.routes is not None:
+            self.paths.forget(pl)
         for qp in list(pl.qps):
             self.qp_changed(qp)
             qp.fail_oldest(pl.link.acked)  # the retry budget is gone
@@ -372,6 +428,52 @@ class Device:
             self.cm.on_link_failed(pl)
         if self.groups is not None:
             self.groups.on_link_failed(pl)
+
+    # -- paths (several local addresses: paths.py) --------------------------------------
+    def _pair_paths(self, pl: PeerLink) -> None:
+        """Open a path for each pair of our addresses and the peer's that
+        the pairing rule makes (``paths.pair_addresses``) and no link uses yet."""
+        used = [(0, pl.addr)] + [(self.ports.index(udp), r) for udp, r in (pl.routes or {}).values()]
+        for index, addr in pair_addresses(self.subnets, pl.link.peer_addresses, used):
+            if self.paths.get(index, addr) is None:
+                self._add_path(pl, index, addr, "paired")
+
+    def _new_path(self, index: int, addr: tuple[str, int], datagram: bytes) -> tuple[PeerLink, int] | None:
+        """A path for a datagram read on socket ``index`` from ``addr``, a
+        pair no path has: opened if the datagram names a link of ours (its
+        tag) whose peer told us ``addr`` in its handshake (with a cluster
+        key, the socket has checked it was sealed for this very pair), else
+        None (counted: garbage, or a stranger)."""
+        try:
+            h, _ = wire_link.decode_untrusted(datagram)
+        except WireError:
+            self.stats["rx_garbage"] += 1
+            return None
+        pl = self.by_tag.get(h.conn_tag)
+        if pl is None or addr not in pl.link.peer_addresses or pl.link.state >= LinkState.CLOSED:
+            self.stats["rx_unknown_path"] += 1
+            return None
+        if pl.routes is not None and len(pl.routes) >= MAX_PATHS:
+            self.stats["rx_path_limit"] += 1
+            return None
+        return pl, self._add_path(pl, index, addr, "opened by the peer")
+
+    def _add_path(self, pl: PeerLink, index: int, addr: tuple[str, int], why: str) -> int:
+        """A new path of ``pl``'s link between socket ``index`` and ``addr``: its id."""
+        path = pl.link.add_path(self.clock())
+        pl.add_route(path, self.ports[index], addr)
+        self.paths.add(index, addr, pl, path)
+        log.info("link to %s:%d: path %d %s:%d -> %s:%d (%s)", pl.addr[0], pl.addr[1], path,
+                 *self.local_addresses[index], *addr, why)
+        self.loop.wake()
+        return path
+
+    def _path_changed(self, pl: PeerLink, ev: PathChanged) -> None:
+        """Log a path's new state: down is worth a warning (its traffic moved to the others)."""
+        local, remote = pl.route_names(ev.path)
+        level = logging.WARNING if ev.state == "down" else logging.INFO
+        log.log(level, "link to %s:%d: path %d %s -> %s %s (%s)", pl.addr[0], pl.addr[1], ev.path, local, remote,
+                ev.state, ev.reason)
 
     def _path_mtu(self, pl: PeerLink, ev: PathMtu) -> None:
         """A link's largest message changed (``transport/pmtud.py``): cut to

@@ -12,6 +12,10 @@ else (reading, options, ``fileno``, ``close``) is the socket's own.  It is the v
 the daemon put into a datagram (its CRC, any authentication) is what a
 corrupted bit damages, as on a real wire.
 
+With ``start`` / ``stop`` in the spec, datagrams sent outside that window
+(seconds since the socket was impaired, i.e. since the daemon started) go
+straight to the socket: a network that fails for a while, mid-transfer.
+
 Held datagrams (delay, jitter, reordering, a rate) leave from the data
 loop: each pass calls :meth:`ImpairedSocket.release`, and the device's
 ``next_deadline`` includes :meth:`ImpairedSocket.next_deadline`, so the loop
@@ -56,6 +60,9 @@ class ImpairedSocket:
         self.model = model
         self.clock = clock
         self.stats = stats
+        # the window the model applies in, on the device's clock
+        t0 = clock()
+        self.start, self.stop = t0 + model.spec.start_s, t0 + model.spec.stop_s
 
     def __getattr__(self, name: str) -> Any:
         """The socket's own, for everything but sending."""
@@ -63,9 +70,12 @@ class ImpairedSocket:
 
     # -- what UdpPort calls in place of the socket's --------------------------------
     def sendto(self, data: bytes | bytearray | memoryview, addr: tuple[str, int]) -> int:
-        """Offer one datagram; send what is due.  Never raises."""
+        """Offer one datagram; send what is due.  Never raises but outside
+        the window, where it is the socket's own sendto."""
+        now = self.clock()
+        if not self.start <= now < self.stop:
+            return self.sock.sendto(data, addr)
         try:
-            now = self.clock()
             self.model.offer(data, now, addr)
         except Exception:
             self._failed()
@@ -77,14 +87,16 @@ class ImpairedSocket:
                 flags: int, addr: tuple[str, int]) -> int:
         """Offer the datagrams of a UDP_SEGMENT run (the segment size in
         ``ancdata``; without one, the buffers are one datagram); send what
-        is due.  Never raises."""
+        is due.  Never raises but outside the window (``sendto``)."""
+        now = self.clock()
+        if not self.start <= now < self.stop:
+            return self.sock.sendmsg(buffers, ancdata, flags, addr)
         try:
             data = memoryview(buffers[0] if len(buffers) == 1 else b"".join(buffers)).cast("B")
             size = len(data)
             for level, kind, value in ancdata:
                 if level == SOL_UDP and kind == UDP_SEGMENT:
                     size = int.from_bytes(value, sys.byteorder) or size
-            now = self.clock()
             offer = self.model.offer
             for at in range(0, len(data), max(1, size)):
                 offer(data[at:at + size], now, addr)
@@ -164,4 +176,33 @@ class ImpairedSocket:
         """The model's counters as ``impair_*``, with ``impair_held`` (held now)."""
         out = {f"impair_{k}": v for k, v in self.model.stats.items()}
         out["impair_held"] = self.model.held
+        return out
+
+
+class ImpairedSockets:
+    """Several impaired sockets (a device with several addresses) as one:
+    each keeps its own model, so what one path holds never leaves by another."""
+
+    def __init__(self, sockets: list[ImpairedSocket]) -> None:
+        self.sockets = sockets
+
+    def release(self, now: float) -> bool:
+        """Send what every socket holds that is due at ``now``; True if any left."""
+        released = False
+        for s in self.sockets:
+            if s.release(now):
+                released = True
+        return released
+
+    def next_deadline(self) -> float | None:
+        """The earliest of the sockets' deadlines (None: nothing is held)."""
+        due = [d for d in (s.next_deadline() for s in self.sockets) if d is not None]
+        return min(due) if due else None
+
+    def counters(self) -> dict[str, int]:
+        """The sockets' counters, summed."""
+        out: dict[str, int] = {}
+        for s in self.sockets:
+            for k, v in s.counters().items():
+                out[k] = out.get(k, 0) + v
         return out

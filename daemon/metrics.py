@@ -16,7 +16,10 @@ What is exported, each with a ``device`` label: the device's counters as
 gauges of the device's uptime, clients, QPs and links, and per link (label
 ``peer``, ``ip:port``) its datagrams and bytes each way, retransmissions,
 duplicates and CRC failures as counters, its smoothed and minimum RTT,
-congestion window and bytes in flight as gauges.  QPs are not exported one
+congestion window and bytes in flight as gauges.  A link of several paths
+(``udpverbsd --addr A --addr B``) has the same per path too (labels
+``peer``, ``path``, ``local``, ``remote``), with ``link_path_up`` and the
+times each went down.  QPs are not exported one
 by one (``udpverbs stat`` shows them): a label per QP would make a series
 per QP ever created.
 """
@@ -58,6 +61,23 @@ LINK_GAUGES = (
     ("link_bytes_in_flight", "bytes_in_flight", 1, "bytes sent and not yet acknowledged"),
     ("link_plpmtu_bytes", "plpmtu", 1, "largest datagram the link sends now (path MTU discovery)"),
     ("link_up", None, 1, "1 while the link is established"),
+)
+#: per-path figures (a link of several paths) exported as counters, and as gauges
+PATH_COUNTERS = (
+    ("link_path_datagrams_sent", "datagrams_sent", "datagrams sent on the path"),
+    ("link_path_datagrams_received", "datagrams_received", "datagrams received on the path"),
+    ("link_path_bytes_sent", "bytes_sent", "UDP payload bytes sent on the path"),
+    ("link_path_bytes_received", "bytes_received", "UDP payload bytes received on the path"),
+    ("link_path_retransmits", "retransmissions", "DATA packets sent again on the path"),
+    ("link_path_times_down", "times_down", "times the path was declared down"),
+)
+PATH_GAUGES = (
+    ("link_path_srtt_seconds", "srtt_us", 1e-6, "the path's smoothed round-trip time"),
+    ("link_path_min_rtt_seconds", "min_rtt_us", 1e-6, "the path's smallest round-trip time"),
+    ("link_path_cwnd_bytes", "cwnd_bytes", 1, "the path's congestion window"),
+    ("link_path_pacing_bytes_per_second", "pacing_Bps", 1, "the path's pacing rate"),
+    ("link_path_plpmtu_bytes", "plpmtu", 1, "largest datagram the path carries now"),
+    ("link_path_up", None, 1, "1 while the path is up"),
 )
 
 
@@ -107,6 +127,29 @@ class DeviceCollector:
                 if value is not None:
                     g.add_metric([name, link["peer"]], value * scale)
             yield g
+        yield from _paths(name, links)
+
+
+def _paths(name: str, links: list[dict[str, Any]]) -> Iterator[Any]:
+    """The per-path families of the links of several paths (none when no link has them)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    paths = [(link["peer"], p) for link in links for p in link.get("paths", ())]
+    if not paths:
+        return
+    labels = ["device", "peer", "path", "local", "remote"]
+    for metric, key, help_ in PATH_COUNTERS:
+        c = CounterMetricFamily("udpverbs_" + metric, help_, labels=labels)
+        for peer, p in paths:
+            c.add_metric([name, peer, str(p["path"]), p["local"], p["remote"]], p[key])
+        yield c
+    for metric, key, scale, help_ in PATH_GAUGES:
+        g = GaugeMetricFamily("udpverbs_" + metric, help_, labels=labels)
+        for peer, p in paths:
+            value = (p["state"] == "up") if key is None else p[key]
+            if value is not None:
+                g.add_metric([name, peer, str(p["path"]), p["local"], p["remote"]], value * scale)
+        yield g
 
 
 class Endpoint:

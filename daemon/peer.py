@@ -36,7 +36,7 @@ import collections
 import socket
 from typing import Any
 
-from ..transport.link import Burst, Link, LinkState, PathMtu, run_slots
+from ..transport.link import Burst, Link, LinkState, PathMtu, one_per_datagram, run_slots
 from ..transport.pmtud import fragmentable
 from ..wire import envelope, segment
 from ..wire import link as wire_link
@@ -98,7 +98,7 @@ class PeerLink:
     """One reliable link to one peer daemon, and the QPs that use it."""
 
     __slots__ = ("host", "addr", "link", "qps", "up", "max_data", "failed_reason", "rx_hint", "ack_waiters",
-                 "ready", "requests", "rx_addr", "rx_port", "tx_bytes", "rx_bytes", "warned")
+                 "ready", "requests", "rx_addr", "rx_port", "tx_bytes", "rx_bytes", "warned", "routes")
 
     def __init__(self, host: PeerHost, addr: tuple[str, int], link: Link) -> None:
         self.host = host
@@ -135,6 +135,23 @@ class PeerLink:
         # link (what the operator's tools show; the link counts datagrams)
         self.tx_bytes = 0
         self.rx_bytes = 0
+        #: path id -> (the port it leaves by, the peer's address) once the
+        #: link has more paths than path 0 (``add_route``); None: one path
+        self.routes: dict[int, tuple[Any, tuple[str, int]]] | None = None
+
+    def add_route(self, path: int, port: Any, addr: tuple[str, int]) -> None:
+        """Send what the link puts on ``path`` by ``port`` (a ``UdpPort``) to ``addr``."""
+        if self.routes is None:
+            self.routes = {0: (self.host.udp, self.addr)}
+        self.routes[path] = (port, addr)
+
+    def route_names(self, path: int) -> tuple[str, str]:
+        """``path``'s local and peer address, as ``ip:port`` (``?`` for a path not known)."""
+        route = (self.routes or {0: (self.host.udp, self.addr)}).get(path)
+        if route is None or route[0].sock is None:
+            return "?", "?"
+        local = route[0].sock.getsockname()
+        return f"{local[0]}:{local[1]}", f"{route[1][0]}:{route[1][1]}"
 
     def segment_size(self, total: int, stream: bool, untagged: bool = False) -> int:
         """The payload of each segment of a message of ``total`` bytes, tagged
@@ -189,6 +206,8 @@ class PeerLink:
         True if anything was sent."""
         if self.requests:
             self.flush_requests()
+        if self.routes is not None:
+            return self._flush_paths()
         host = self.host
         udp = host.udp
         link = self.link
@@ -211,10 +230,44 @@ class PeerLink:
             self._refused()
         return True
 
-    def _fragment(self, out: list[bytes | Burst]) -> list[bytes | Burst]:
+    def _flush_paths(self) -> bool:
+        """``flush`` for a link of several paths: what leaves on each path by
+        its own socket to its own peer address; a datagram a path's socket
+        refuses as too long is that path's to learn from (``Link.datagram_refused``)."""
+        host = self.host
+        link = self.link
+        routes = self.routes
+        sent = False
+        for _ in range(MAX_REFUSED_ROUNDS):
+            refused = False
+            for path, out in link.bursts_by_path(host.now, host.clock):
+                route = routes.get(path)  # type: ignore[union-attr]
+                if not out or route is None or route[0].sock is None:
+                    continue
+                udp, addr = route
+                self.tx_bytes += sum(len(d.view) if type(d) is Burst else len(d) for d in out)
+                if link.fragment_above:
+                    out = self._fragment(out, udp, addr)
+                if udp.gso:
+                    udp.send_segmented(out, addr)
+                else:
+                    udp.send_each(one_per_datagram(out), addr)
+                sent = True
+                if udp.refused:
+                    link.datagram_refused(udp.refused, host.now, path=path)
+                    udp.refused = 0
+                    refused = True
+            if not refused:
+                break
+        if sent:
+            host.udp.sent = True
+        return sent
+
+    def _fragment(self, out: list[bytes | Burst], udp: Any = None, addr: Any = None) -> list[bytes | Burst]:
         """Send the DATA packets of ``out`` longer than the link's path now
         carries with fragmentation allowed (messages cut before its path
-        MTU fell: the link sends a message as it was cut); return the rest."""
+        MTU fell: the link sends a message as it was cut), by ``udp`` to
+        ``addr`` (default: path 0's); return the rest."""
         above = self.link.fragment_above
         rest: list[bytes | Burst] = []
         big: list[bytes | memoryview] = []
@@ -229,7 +282,7 @@ class PeerLink:
             else:
                 rest.append(d)
         if big:
-            self.host.udp.send_fragmenting(big, self.addr)
+            (udp or self.host.udp).send_fragmenting(big, addr or self.addr)
         return rest
 
     def _refused(self) -> None:

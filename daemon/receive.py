@@ -27,6 +27,17 @@ of answers alternate between two daemons that each idle half the time.
 When the lane is armed (``ReceiveLane.arm``), the pass reads the socket
 through it (:meth:`Receiver.read_armed`): one compiled call reads the
 datagram and places it.
+
+A device with several addresses (``paths.py``) has a socket for each; the
+pass reads the first as above, then each other one (:meth:`Receiver.read_more`).
+The first socket and a peer's first address are each link's path 0, found
+by the peer's address as ever; every other (socket, peer address) pair is
+a path of its own, found in the path map, and what comes on it goes the
+Python path, datagram by datagram, with its path id.  (A link of several
+paths takes no run in the lane, ``Link.run_receivable``, so path 0 of such
+a link goes the Python path too; links of one path keep the lanes.)  A
+datagram on a pair the map does not know may open a path: the device
+decides (``Device._new_path``).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from typing import Any, Callable
 from ..transport.link import LinkState
 from ..wire import envelope, segment
 from ..wire.envelope import Kind
+from ..wire.link import PacketType
 from ..wire.errors import WireError
 from .opcodes import ANSWERED_BY_DAEMON, FLOW_ACK, OP_ATOMIC_RESPONSE, OP_READ_RESPONSE, OP_WRITE, RECEIVING
 from .peer import PeerLink
@@ -62,6 +74,8 @@ RX_BYTE_BUDGET = 1 << 20
 #: read_armed: the arming no longer held, and the socket has something to read
 _RX_READY = 2
 _LINK_ESTABLISHED = LinkState.ESTABLISHED
+#: a link packet's type byte (``wire/link.py``) for INIT, which opens a link
+_INIT = int(PacketType.INIT)
 
 
 class Receiver:
@@ -88,6 +102,19 @@ class Receiver:
         #: armed read fed, for the pass's dispatch
         self.arm_link: PeerLink | None = None
         self.touched: set[PeerLink] = set()
+        #: (socket index, port) of every socket but the first (None: one socket)
+        self.others: list[tuple[int, UdpPort]] | None = None
+        self.paths: Any = None  # the path map (paths.PathMap) with several sockets
+        self.new_path: Callable[[int, tuple[str, int], bytes], tuple[PeerLink, int] | None] | None = None
+
+    def more_ports(self, ports: list[UdpPort], paths: Any,
+                   new_path: Callable[[int, tuple[str, int], bytes], tuple[PeerLink, int] | None]) -> None:
+        """Read ``ports[1:]`` too, each pass; ``paths`` maps their datagrams
+        to links and paths, ``new_path(index, addr, datagram)`` opens a path
+        for a pair it does not know (or answers None)."""
+        self.others = list(enumerate(ports))[1:]
+        self.paths = paths
+        self.new_path = new_path
 
     # -- the step -----------------------------------------------------------------
     def step(self, now: float) -> bool:
@@ -105,7 +132,7 @@ class Receiver:
         got = self.read_armed(now) if lane is not None and lane.armed is not None \
             else _RX_READY if rx is None or rx.poll(0) else 0
         if not got:
-            return False
+            return self.others is not None and self.read_more(now, set(), now - time.time())
         touched = self.touched  # the armed read's link, if it read
         self.touched = set()
         # now - realtime: converts a kernel stamp to our clock (computed per
@@ -131,12 +158,66 @@ class Receiver:
             self.received(addr, data, seg, now, arrived, touched)
             if self.rest is not None:
                 break  # the rest of that buffer first, next pass
+        if self.others is not None:
+            return self.read_more(now, touched, rt_to_now)
+        return self.dispatch_all(touched)
+
+    def dispatch_all(self, touched: set[PeerLink]) -> bool:
+        """Dispatch what every link in ``touched`` (those that received in
+        this pass) delivered; True if there was any such link."""
         if not touched:
             return False
         for pl in touched:
             for msg in pl.link.drain_received():
                 self.dispatch(pl, msg)
         return True
+
+    def read_more(self, now: float, touched: set[PeerLink], rt_to_now: float) -> bool:
+        """Read the sockets beyond the first (each within the pass's
+        budgets, as the first), then dispatch what every link that received
+        in this pass delivered (``touched``); True if any link received."""
+        for index, udp in self.others:  # type: ignore[union-attr]
+            rx = udp.rx_epoll
+            budget, byte_budget = RX_BUDGET, RX_BYTE_BUDGET
+            while budget > 0 and byte_budget > 0 and (rx is None or rx.poll(0)):
+                buffer = udp.receive(now, rt_to_now)
+                if buffer is None:
+                    break
+                data, addr, seg, arrived = buffer
+                budget -= 1 + (len(data) // seg if 0 < seg < len(data) else 0)
+                byte_budget -= len(data)
+                if seg > 0:
+                    self.received_on(index, addr, data, seg, now, arrived, touched)
+        return self.dispatch_all(touched)
+
+    def received_on(self, index: int, addr: tuple[str, int], data: bytes, seg: int, now: float, arrived: float,
+                    touched: set[PeerLink]) -> None:
+        """Feed a buffer read on socket ``index`` (or on the first, from an
+        address that is no link's path 0) from ``addr`` to the path it came
+        on: known, or opened now; dropped and counted if neither."""
+        if self.lane is not None:
+            self.lane.armed = None
+        found = self.paths.get(index, addr)
+        if found is None:
+            start = 0
+            while True:  # judged datagram by datagram, as an unknown peer's
+                found = self.new_path(index, addr, data[start:start + seg])  # type: ignore[misc]
+                if found is not None or start + seg >= len(data):
+                    break
+                start += seg
+            if found is None:
+                return
+            data = data[start:]
+        pl, path = found
+        pl.rx_bytes += len(data)
+        link = pl.link
+        if seg >= len(data):
+            link.datagram_received(data, now, arrived, path=path)
+        else:
+            view = memoryview(data)
+            for at in range(0, len(data), seg):
+                link.datagram_received(view[at:at + seg], now, arrived, path=path)
+        touched.add(pl)
 
     def received(self, addr: tuple[str, int], data: bytes, seg: int, now: float, arrived: float,
                  touched: set[PeerLink]) -> None:
@@ -145,6 +226,11 @@ class Receiver:
         if self.lane is not None:
             self.lane.armed = None  # set up for what the link expected before this
         pl = self.links.get(addr)
+        if pl is None and self.paths is not None and (self.paths.get(0, addr) is not None
+                                                      or len(data) > 1 and data[1] != _INIT):
+            # a peer's other address: a path to our first one (an INIT opens a link instead)
+            self.received_on(0, addr, data, seg, now, arrived, touched)
+            return
         if pl is None:
             # Each datagram from an unknown peer is judged (and
             # counted) alone until one opens a link.

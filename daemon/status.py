@@ -17,7 +17,8 @@ The answers are JSON objects (``ctl.StatusSection``):
 ``DEVICE``
     ``name version ctl_version pid state addr udp_port gid node_guid mtu cc
     gso native started uptime_s clients qps links cqs mrs pds metrics``
-    (the Prometheus endpoint's URL, or null), ``cluster_key`` (set or not),
+    (the Prometheus endpoint's URL, or null), ``addrs`` (every local
+    address, the first ``addr``), ``cluster_key`` (set or not),
     ``impair`` (what ``--impair`` does, or null), ``limits``
     (``max_qp max_cq max_mr max_pd max_qp_wr max_cqe max_sge
     max_inline_data max_mr_size max_msg_sz max_qp_rd_atom
@@ -28,8 +29,11 @@ The answers are JSON objects (``ctl.StatusSection``):
     bad_crc srtt_us min_rtt_us rto_ms cwnd_bytes pacing_Bps
     bytes_in_flight``, ``plpmtu`` (the largest datagram the link sends now,
     UDP payload bytes as ``--mtu`` counts them: what path MTU discovery
-    found, ``transport/pmtud.py``), ``pmtud`` (the search's state) and
-    ``counters`` (the link's own, ``LinkStats``).
+    found, ``transport/pmtud.py``), ``pmtud`` (the search's state),
+    ``counters`` (the link's own, ``LinkStats``) and, on a link of several
+    paths, ``paths``: each ``path local remote state datagrams_sent
+    bytes_sent datagrams_received bytes_received retransmissions srtt_us
+    min_rtt_us cwnd_bytes pacing_Bps times_down plpmtu``.
 ``QPS``
     ``{"qps": [...]}``, each ``qpn pid state peer dest_qp_num sq_posted
     sq_completed rq_posted rq_completed srq outstanding rnr_nacks_received
@@ -56,6 +60,8 @@ from .device import Device
 #: (at most about 700 bytes a link, 400 a QP) must fit a control message
 LINKS_PER_PAGE = 32
 QPS_PER_PAGE = 64
+#: ... links per page on a device of several addresses (each path adds about 400 bytes)
+MULTIPATH_LINKS_PER_PAGE = 8
 #: the largest region (``max_mr_size``)
 MAX_MR_SIZE = 1 << 40
 _U32 = 0xFFFFFFFF
@@ -70,12 +76,16 @@ def device_limits(device: Device) -> dict[str, int]:
             "max_qp_rd_atom": c.max_qp_rd_atom, "max_qp_init_rd_atom": c.max_qp_rd_atom}
 
 
-def counters(device: Device) -> dict[str, int]:
-    """The device's counters (QUERY_STATS), with the process's CPU time so far.
+def counters(device: Device, paths: bool = False) -> dict[str, int]:
+    """The device's counters (QUERY_STATS), with the process's CPU time so far
+    (``paths``: and, with several local addresses, every path's figures:
+    :func:`path_counters`).
 
     getrusage, not os.times: the latter counts in clock ticks (10 ms), as
     long as a whole short run."""
     stats = device.dump_stats()
+    if paths and len(device.ports) > 1:
+        stats.update(path_counters(device))
     t = resource.getrusage(resource.RUSAGE_SELF)
     stats["process_cpu_user_ms"] = int(t.ru_utime * 1000)
     stats["process_cpu_system_ms"] = int(t.ru_stime * 1000)
@@ -98,7 +108,9 @@ def device_report(device: Device, asker: Any = None) -> dict[str, Any]:
         "started": wall, "uptime_s": round(time.monotonic() - mono, 3),
         "clients": len(device.sessions - {asker}), "qps": len(device.qps), "links": len(device.links),
         "cqs": len(device.cqs), "mrs": len(device.mrs), "pds": len(device.pds), "metrics": device.metrics_url,
-        "cluster_key": c.key is not None, "impair": c.impair.describe() if c.impair is not None else None,
+        "addrs": [str(a) for a in c.addrs], "cluster_key": c.key is not None,
+        "impair": None if c.impair is None else c.impair.describe() + (f" from {c.impair_addr}"
+                                                                        if c.impair_addr else ""),
         "limits": limits, "counters": counters(device),
     }
 
@@ -120,8 +132,55 @@ def link_report(pl: Any) -> dict[str, Any]:
         "min_rtt_us": _us(link.rtt.min_s), "rto_ms": round(link.rtt.rto_s * 1e3, 3),
         "cwnd_bytes": int(link.cwnd_bytes), "pacing_Bps": None if rate == float("inf") else int(rate),
         "bytes_in_flight": link.bytes_in_flight, "plpmtu": plpmtu(pl), "pmtud": link.pmtud.state.name,
-        "counters": st.as_dict(),
+        "counters": st.as_dict(), **({} if pl.routes is None else {"paths": path_reports(pl)}),
     }
+
+
+#: the figures of a path that are counters, and those that are its state
+PATH_COUNTERS = ("datagrams_sent", "bytes_sent", "datagrams_received", "bytes_received", "retransmissions",
+                 "times_down")
+
+
+def path_reports(pl: Any) -> list[dict[str, Any]]:
+    """Every path of ``pl``'s link (``Link.path_stats``), with its addresses."""
+    out = []
+    extra = pl.host.config.mtu - pl.link.config.max_payload  # as plpmtu: header, CRC and seal
+    for p in pl.link.path_stats(pl.host.clock()):
+        local, remote = pl.route_names(p.path)
+        rate = p.pacing_rate
+        out.append({"path": p.path, "local": local, "remote": remote, "state": p.state,
+                    **{k: getattr(p, k) for k in PATH_COUNTERS},
+                    "srtt_us": _us(p.srtt_s), "min_rtt_us": _us(p.min_rtt_s), "cwnd_bytes": int(p.cwnd_bytes),
+                    "pacing_Bps": None if rate is None or rate == float("inf") else int(rate),
+                    "plpmtu": None if not p.plpmtu else int(p.plpmtu + extra)})
+    return out
+
+
+#: paths whose figures QUERY_STATS carries one by one (beyond, totals only): the
+#: answer must fit a control message
+STATS_PATHS = 64
+
+
+def path_counters(device: Device) -> dict[str, int]:
+    """The links' paths as QUERY_STATS counters: per path
+    ``path_<local>_<remote>_<figure>`` (the first STATS_PATHS paths), and
+    ``paths``, ``paths_up``, ``paths_down`` over every link."""
+    out = {"paths": 0, "paths_up": 0, "paths_down": 0}
+    for _, pl in sorted(device.links.items()):
+        if pl.routes is None:
+            continue
+        for p in path_reports(pl):
+            out["paths"] += 1
+            out["paths_up"] += p["state"] == "up"
+            out["paths_down"] += p["state"] == "down"
+            if out["paths"] > STATS_PATHS:
+                continue
+            name = f"path_{p['local']}_{p['remote']}_"
+            out[name + "up"] = int(p["state"] == "up")
+            for k in (*PATH_COUNTERS, "srtt_us", "min_rtt_us", "cwnd_bytes", "pacing_Bps", "plpmtu"):
+                if p[k] is not None:
+                    out[name + k] = int(p[k])
+    return out
 
 
 def plpmtu(pl: Any) -> int:
@@ -173,7 +232,9 @@ def page(device: Device, section: int, start: int, asker: Any = None) -> tuple[i
         links = sorted(device.links.items())
         first = max(start, 1)
         index = {addr: i for i, (addr, _) in enumerate(links, 1)}
-        return _page("links", [pl for _, pl in links[first - 1:]], link_report, LINKS_PER_PAGE,
+        # a link of several paths reports each (at most device.MAX_PATHS): fewer links fit a page
+        per_page = LINKS_PER_PAGE if len(device.ports) == 1 else MULTIPATH_LINKS_PER_PAGE
+        return _page("links", [pl for _, pl in links[first - 1:]], link_report, per_page,
                      lambda pl: index[pl.addr])
     if section == ctl.StatusSection.QPS:
         qps = sorted(qpn for qpn in device.qps if qpn >= start)

@@ -68,7 +68,7 @@ def test_layer_imports_only_downward(layer: str, path: Path) -> None:
 # engine never imports the device: it reaches it through ``ports``).  A new
 # module takes its place here, or this test fails.
 DAEMON_ORDER = [
-    "heap", "tables", "quota", "clusterkey", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
+    "heap", "tables", "quota", "clusterkey", "paths", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
     "peer",
     "completer", "responder", "requester", "qp",
     "scheduler", "rxlane", "receive", "loop", "device", "status", "metrics",
@@ -99,7 +99,7 @@ def test_daemon_modules_import_only_modules_before_them(module: str) -> None:
 #: (``congestion`` is a package and one entry; the layer's ``__init__`` is its
 #: facade and may import any of them).  A new module takes its place here.
 TRANSPORT_ORDER = ["sockbuf", "replay", "cookie", "ackhold", "pacer", "recovery", "congestion", "records", "receiver",
-                   "builder", "handshake", "pmtud", "timers", "link", "netsim", "impair"]
+                   "builder", "handshake", "pmtud", "timers", "scheduler", "paths", "link", "netsim", "impair"]
 
 
 def _transport_module(path: Path) -> str:

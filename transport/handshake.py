@@ -43,6 +43,8 @@ class Handshake:
     peer_incarnation: int | None
     peer_max_payload: int
     peer_rwnd: int
+    local_addresses: tuple[tuple[str, int], ...]
+    peer_addresses: tuple[tuple[str, int], ...]
     receiver: Any
     rtt: Any
     cc: Any
@@ -59,7 +61,8 @@ class Handshake:
     def _init_body(self, cookie: bytes = b"") -> bytes:
         c = self.config
         return wl.encode_init(wl.LinkInit(self.tag, self.isn, c.max_payload,
-                                          min(c.rwnd_packets, 0xFFFF), self.incarnation, cookie))
+                                          min(c.rwnd_packets, 0xFFFF), self.incarnation, cookie,
+                                          self.local_addresses))
 
     def _handshake_packet(self, ptype: int, now: float) -> bytes:
         # INIT goes to an unknown tag (0) and echoes nothing; INIT_ACK
@@ -101,6 +104,7 @@ class Handshake:
         self.peer_incarnation = init.incarnation
         self.peer_max_payload = min(init.max_payload, self.config.max_payload)
         self.peer_rwnd = init.rwnd
+        self.peer_addresses = init.addresses
         return True
 
     def _claim_restart(self, reason: str, now: float) -> None:

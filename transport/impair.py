@@ -68,7 +68,7 @@ _RATE_UNITS = {**{f"{p}bit": s for p, s in _RATE_SCALES.items()},
 _RELEASE = operator.itemgetter(0)
 _KEYS = {"loss": "loss", "dup": "dup", "duplicate": "dup", "reorder": "reorder", "corrupt": "corrupt",
          "delay": "delay_s", "jitter": "jitter_s", "reorder_delay": "reorder_delay_s", "rate": "rate_bps",
-         "limit": "limit"}  # fmt: skip
+         "limit": "limit", "start": "start_s", "stop": "stop_s"}  # fmt: skip
 
 
 def _number(text: str, key: str) -> tuple[float, str]:
@@ -151,6 +151,10 @@ class ImpairSpec:
     reorder_delay_s: float | None = None
     rate_bps: float = 0.0
     limit: int = DEFAULT_LIMIT
+    #: the daemon impairs only from ``start_s`` after it started until
+    #: ``stop_s`` (a path that fails for a while); the model itself ignores them
+    start_s: float = 0.0
+    stop_s: float = float("inf")
 
     @classmethod
     def from_items(cls, items: Mapping[str, Any]) -> "ImpairSpec":
@@ -171,7 +175,7 @@ class ImpairSpec:
             if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
                 raise ValueError(f"impair {key}={raw!r}: not a number or a string")
             text = str(raw)
-            if name in ("delay_s", "jitter_s", "reorder_delay_s"):
+            if name in ("delay_s", "jitter_s", "reorder_delay_s", "start_s", "stop_s"):
                 out[name] = parse_time(text, key)
             elif name == "rate_bps":
                 out[name] = parse_rate(text, key)
@@ -182,6 +186,8 @@ class ImpairSpec:
                 out[name] = int(value)
             else:
                 out[name] = parse_probability(text, key)
+        if out.get("start_s", 0.0) >= out.get("stop_s", float("inf")):
+            raise ValueError("impair: start must come before stop")
         return cls(**out)
 
     @property
@@ -210,7 +216,7 @@ class ImpairSpec:
 
 def parse_spec(text: str) -> ImpairSpec:
     """Read ``key=value,key=value`` (keys: loss, dup, reorder, corrupt,
-    delay, jitter, reorder_delay, rate, limit).
+    delay, jitter, reorder_delay, rate, limit, start, stop).
 
     Raises ValueError, naming the part, for an empty spec, a part without
     ``=``, an unknown key or a bad value.

@@ -38,7 +38,8 @@ INIT changes nothing.
 Parts: this module is the connection's core (states, input dispatch, ACK
 processing, events, send queueing); the handshake is ``handshake.py``'s,
 the deadlines and what each expiry does ``timers.py``'s, the path-MTU
-search ``pmtud.py``'s (mixins of :class:`Link`).  The receive side
+search ``pmtud.py``'s, several paths under one link ``paths.py``'s
+(mixins of :class:`Link`; off until ``add_path``).  The receive side
 and the ACK policy are ``receiver.py``'s (a :class:`Receiver`, the
 ``receiver`` attribute); building the datagrams that leave is
 ``builder.py``'s (:class:`Builder`, a base class); the sent-packet table,
@@ -99,14 +100,16 @@ from .builder import Builder, Burst, admit, one_per_datagram, run_slots
 from .handshake import Handshake
 from .congestion.base import INF, CongestionController, create
 from .pacer import Pacer
+from .paths import Paths
 from .pmtud import PathProbing
 from .receiver import Receiver
 from .timers import Timers
-from .records import LinkClosed, LinkConfig, LinkEvent, LinkFailed, LinkState, LinkStats, LinkUp, PathMtu
+from .records import (LinkClosed, LinkConfig, LinkEvent, LinkFailed, LinkState, LinkStats, LinkUp, PathChanged, PathMtu,
+                      PathStats)
 from .recovery import Recovery, RttEstimator
 
 __all__ = ["Burst", "Link", "LinkClosed", "LinkConfig", "LinkEvent", "LinkFailed", "LinkState", "LinkStats", "LinkUp",
-           "PathMtu", "admit", "one_per_datagram", "run_slots"]
+           "PathChanged", "PathMtu", "PathStats", "admit", "one_per_datagram", "run_slots"]
 
 _U32 = 0xFFFFFFFF
 _HALF = 1 << 31
@@ -128,7 +131,7 @@ _ESTABLISHED = LinkState.ESTABLISHED
 _decode = wl.decode_untrusted
 
 
-class Link(Handshake, PathProbing, Timers, Builder):
+class Link(Handshake, PathProbing, Timers, Paths, Builder):
     """One reliable link to one peer daemon (see the module docstring).
 
     The send queue and the datagrams it becomes are :class:`Builder`'s
@@ -162,6 +165,7 @@ class Link(Handshake, PathProbing, Timers, Builder):
         self._events: deque[LinkEvent] = deque()
         self._out: list[bytes] = []  # control packets queued (handshake, keep-alive, ABORT)
         self._pmtud_init()
+        self._paths_init()
         # a "packet" of window is one of the size the link starts with (RFC 9002 §7.2)
         mss = self.payload_limit + wl.OVERHEAD
         self.cc = create(config.cc, mss, config.cc_params)
@@ -276,7 +280,7 @@ class Link(Handshake, PathProbing, Timers, Builder):
     # --- input --------------------------------------------------------------
 
     def datagram_received(self, data: bytes | bytearray | memoryview, now: float,
-                          arrived: float | None = None) -> None:
+                          arrived: float | None = None, path: int = 0) -> None:
         """Process one datagram from the peer.  Never raises on bad input.
 
         ``arrived`` (≤ ``now``, default ``now``) is when the datagram reached
@@ -286,6 +290,8 @@ class Link(Handshake, PathProbing, Timers, Builder):
         echo we return (the peer's signal leaves it out too).  The RTO
         estimator keeps it: a retransmission timer must outlast a daemon
         that was not running.
+
+        ``path``: the path it arrived on (``add_path``; 0 while single-path).
         """
         self._arrived = now if arrived is None else arrived
         stats = self.stats
@@ -358,7 +364,7 @@ class Link(Handshake, PathProbing, Timers, Builder):
 
     def data_run_received(self, count: int, ack: int, ts_us: int, ts_echo_us: int, rwnd: int, flags: int,
                           last_ts_us: int, last_rwnd: int, flags_any: int, now: float,
-                          arrived: float | None = None) -> None:
+                          arrived: float | None = None, path: int = 0) -> None:
         """Account for ``count`` DATA packets the owner consumed itself.
 
         The packets are the next ``count`` in order (from the sequence

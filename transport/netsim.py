@@ -46,7 +46,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .link import Link, LinkConfig, LinkEvent
+from .link import Link, LinkConfig, LinkEvent, LinkState, LinkUp, one_per_datagram
 from .pmtud import fragmentable
 
 
@@ -155,9 +155,14 @@ class Channel:
 
     def __init__(self, sim: Simulator, dst: Endpoint, delay_s: float, *,
                  impairments: Impairments | None = None, bottleneck: Bottleneck | None = None,
-                 trace: list[tuple[float, str, bytes]] | None = None, name: str = "") -> None:
+                 trace: list[tuple[float, str, bytes]] | None = None, name: str = "", net: int = 0) -> None:
         self.sim = sim
         self.dst = dst
+        #: which of the endpoints' network paths this is (``multipath``; 0: the first)
+        self.net = net
+        #: False while the path is cut: every datagram put on it vanishes
+        self.up = True
+        self.cut = 0  # datagrams lost to a cut
         self.delay_s = delay_s
         self.imp = impairments
         self.bottleneck = bottleneck
@@ -176,6 +181,9 @@ class Channel:
         """Put one datagram on the path (``fragmented``: DF clear, so no MTU stops it)."""
         sim = self.sim
         self.sent += 1
+        if not self.up:
+            self.cut += 1
+            return
         if self.mtu and len(data) > self.mtu and not fragmented:
             self.too_big += 1
             return
@@ -215,9 +223,12 @@ class Channel:
             sim.schedule(at, self._arrive, d)
 
     def _arrive(self, data: bytes) -> None:
+        if not self.up:
+            self.cut += 1  # on the wire when the path was cut
+            return
         if self.trace is not None:
             self.trace.append((self.sim.now, self.name, data))
-        self.dst.deliver(data)
+        self.dst.deliver(data, self.net)
 
 
 class Endpoint:
@@ -238,6 +249,12 @@ class Endpoint:
         self.link = link
         self.name = name
         self.channel: Channel | None = None
+        #: more network paths to the peer, by index (``multipath``): the
+        #: active side adds them to its link once it is up, the passive side
+        #: when a datagram first arrives on one (as the daemon pairs them)
+        self.channels: dict[int, Channel] = {}
+        self._net_of: dict[int, int] = {0: 0}  # the link's path id -> network path
+        self._path_of: dict[int, int] = {0: 0}  # network path -> the link's path id
         self.source = source or []
         self.source_pos = 0
         #: bytes to send after ``source``, cut into messages of the link's
@@ -247,18 +264,33 @@ class Endpoint:
         self.received: list[bytes] = []
         self.on_delivery = on_delivery
         self.events: list[LinkEvent] = []
+        self._active = False
         self._timer_at: float | None = None
         self._timer_gen = 0
 
     def connect(self) -> None:
         """Active open at the current simulated time."""
+        self._active = True
         self.link.connect(self.sim.now)
         self.service()
 
-    def deliver(self, data: bytes) -> None:
-        """A datagram arrived from the network."""
-        self.link.datagram_received(data, self.sim.now)
+    def deliver(self, data: bytes, net: int = 0) -> None:
+        """A datagram arrived from the network (on network path ``net``)."""
+        link = self.link
+        if not net:
+            link.datagram_received(data, self.sim.now)
+        else:
+            pid = self._path_of.get(net)
+            if pid is None and link.state == LinkState.ESTABLISHED:
+                pid = self._map_path(net)
+            link.datagram_received(data, self.sim.now, path=pid or 0)
         self.service()
+
+    def _map_path(self, net: int) -> int:
+        pid = self.link.add_path(self.sim.now)
+        self._path_of[net] = pid
+        self._net_of[pid] = net
+        return pid
 
     def _on_timer(self, gen: int) -> None:
         if gen != self._timer_gen:
@@ -300,6 +332,11 @@ class Endpoint:
         ev = link.next_event()
         while ev is not None:
             self.events.append(ev)
+            if type(ev) is LinkUp and self.channels and self._active:
+                for net in sorted(self.channels):
+                    if net not in self._path_of:
+                        self._map_path(net)
+                self._send(now)
             ev = link.next_event()
         dl = link.next_deadline()
         # Re-arm only when the deadline moved earlier: a timer that fires
@@ -326,6 +363,9 @@ class Endpoint:
         sender's stack refuses goes back to the link, which may then have
         more to send (the next probe), up to a bound."""
         link, ch = self.link, self.channel
+        if link.multipath:
+            self._send_by_path(now)
+            return
         for _ in range(64):
             out = link.datagrams_to_send(now)
             if not out:
@@ -344,6 +384,75 @@ class Endpoint:
                     ch.send(d)
             if not refused:
                 return
+
+    def _send_by_path(self, now: float) -> None:
+        """``_send`` for a multi-path link: each path's datagrams on its channel."""
+        link = self.link
+        for _ in range(64):
+            by_path = link.bursts_by_path(now)
+            if not by_path:
+                return
+            refused = False
+            frag = link.fragment_above
+            for pid, out in by_path:
+                net = self._net_of[pid]
+                ch = self.channel if not net else self.channels[net]
+                assert ch is not None
+                for d in one_per_datagram(out):
+                    n = len(d)
+                    if frag and fragmentable(d, frag):
+                        ch.send(d, fragmented=True)
+                    elif ch.local_mtu and n > ch.local_mtu:
+                        link.datagram_refused(n, now, pid)
+                        refused = True
+                    else:
+                        ch.send(d)
+            if not refused:
+                return
+
+
+@dataclass
+class PathSpec:
+    """One network path of :func:`multipath`: a drop-tail bottleneck of
+    ``rate_Bps`` each way (a buffer of ``buffer_bdp`` x its bandwidth-delay
+    product), ``rtt_s`` of propagation, and ``impairments`` both ways."""
+
+    rate_Bps: float
+    rtt_s: float
+    buffer_bdp: float = 1.0
+    impairments: Impairments | None = None
+
+
+def multipath(sim: Simulator, link_a: Link, link_b: Link, specs: list[PathSpec], *,
+              trace: list[tuple[float, str, bytes]] | None = None,
+              ) -> tuple[Endpoint, Endpoint, list[tuple[Channel, Channel]]]:
+    """Two endpoints joined by several network paths, the first the one the
+    handshake runs on; ``a`` (the side that connects) adds the others to
+    its link once it is up, ``b`` when something first arrives on one.
+    Returns the endpoints and each path's channels (a to b, b to a), which
+    :func:`set_path_up` cuts and restores."""
+    a = Endpoint(sim, link_a, name="a")
+    b = Endpoint(sim, link_b, name="b")
+    nets = []
+    for k, sp in enumerate(specs):
+        chans = []
+        for src, dst, tag in ((a, b, "a>b"), (b, a, "b>a")):
+            neck = Bottleneck(sp.rate_Bps, int(sp.rate_Bps * sp.rtt_s * sp.buffer_bdp))
+            ch = Channel(sim, dst, sp.rtt_s / 2, impairments=sp.impairments, bottleneck=neck, trace=trace,
+                         name=f"{tag}{k}", net=k)
+            if k:
+                src.channels[k] = ch
+            else:
+                src.channel = ch
+            chans.append(ch)
+        nets.append((chans[0], chans[1]))
+    return a, b, nets
+
+
+def set_path_up(nets: list[tuple[Channel, Channel]], k: int, up: bool) -> None:
+    """Cut (``up`` False) or restore network path ``k`` of :func:`multipath`, both ways."""
+    for ch in nets[k]:
+        ch.up = up
 
 
 def pair(sim: Simulator, link_a: Link, link_b: Link, delay_s: float, *,

@@ -325,12 +325,13 @@ class PathProbing:
             self.stats.pmtu_black_holes += 1
             self._pmtud_did(m.black_hole(now, self._probe_timeout()), now)
 
-    def datagram_refused(self, size: int, now: float) -> None:
+    def datagram_refused(self, size: int, now: float, path: int = 0) -> None:
         """The local stack would not send a link packet of ``size`` bytes as
         too big (``EMSGSIZE``): a PTB for this path (RFC 8899 §4.6), which
         our own kernel gives, so it is believed as it is.  A probe of that
         size fails at once; a message that size was lost (the link resends
-        it, smaller messages follow)."""
+        it, smaller messages follow).  ``path``: the path whose socket
+        refused it (the limit is the link's, for every path: ``paths.py``)."""
         m = self.pmtud
         if m.state == PmtudState.DISABLED:
             return

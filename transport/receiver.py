@@ -212,7 +212,7 @@ class Receiver:
         would only count as expired and stop the holding."""
         hold_s = self.max_ack_delay_s
         h = self.hold
-        if not self.ack_now and not flags & _RETX and not self.recovery.has_inflight() and h.owe(now, hold_s):
+        if not self.ack_now and not flags & _RETX and not self.recovery.bytes_in_flight and h.owe(now, hold_s):
             if self.ack_deadline is None or h.until < self.ack_deadline:  # type: ignore[operator]
                 self.ack_deadline = h.until
             return

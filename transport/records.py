@@ -65,7 +65,18 @@ class PathMtu:
     path_max: int
 
 
-LinkEvent = LinkUp | LinkFailed | LinkClosed | PathMtu
+@dataclass(frozen=True)
+class PathChanged:
+    """Path ``path`` of a multi-path link (``paths.py``) went to ``state``
+    (``"probing"``, ``"up"`` or ``"down"``); ``reason`` says why
+    (``"added"``, ``"answered"``, ``"silent"``)."""
+
+    path: int
+    state: str
+    reason: str
+
+
+LinkEvent = LinkUp | LinkFailed | LinkClosed | PathMtu | PathChanged
 
 
 @dataclass
@@ -115,6 +126,12 @@ class LinkConfig:
     pacing_burst_packets: float = 2.0
     #: ...or in time at the pacing rate, if that is more (see pacer.py)
     pacing_burst_s: float = 0.0
+    #: a path of a multi-path link (``paths.py``) that hears nothing for
+    #: this long while something it carried waits for an answer is down:
+    #: what it carried is sent again on the others
+    path_dead_s: float = 1.0
+    #: how often a down path is probed (it is up again when answered)
+    path_probe_s: float = 0.25
 
 
 @dataclass(slots=True)
@@ -152,3 +169,22 @@ class LinkStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class PathStats:
+    """One path of a link, as ``Link.path_stats`` reports it (``paths.py``)."""
+
+    path: int
+    state: str  #: "probing", "up" or "down"
+    datagrams_sent: int = 0
+    bytes_sent: int = 0
+    datagrams_received: int = 0
+    bytes_received: int = 0
+    retransmissions: int = 0  #: DATA packets sent on it again (lost on it or elsewhere)
+    srtt_s: float | None = None
+    min_rtt_s: float | None = None
+    cwnd_bytes: float = 0.0
+    pacing_rate: float = 0.0  #: bytes/s (inf: unpaced)
+    times_down: int = 0
+    plpmtu: int = 0  #: the largest link body known to cross it

@@ -578,6 +578,25 @@ class Recovery:
         self.reorder_deadline = None
         return len(pending)
 
+    def take_flight(self) -> list[tuple[int, int, int, bool, float]]:
+        """Hand over what is in flight, for a multi-path link to track per
+        path (``paths.py``): ``(n, transmission id, size, retransmission,
+        time sent)`` in send order; the table keeps the payloads, ``una``,
+        ``sacked`` and ``lost``, and holds nothing in flight afterwards."""
+        out = sorted((tx, n, size, credit < 0, t) for n, (tx, size, credit, t) in self.in_flight().items())
+        self.inflight.clear()
+        self._spans.clear()
+        self._order.clear()
+        self.reorder_deadline = None
+        return [(n, tx, size, retx, t) for tx, n, size, retx, t in out]
+
+    def release(self, cum: int) -> None:
+        """Messages below ``cum`` are acknowledged, by a multi-path link that
+        tracks what is in flight itself (``paths.py``): drop their payloads."""
+        if cum > self.una:
+            self._drop_payloads(self.una, cum)
+            self.una = cum
+
     def retransmission_pending(self) -> bool:
         """True if a message declared lost still waits to be resent."""
         una, sacked, inflight = self.una, self.sacked, self.inflight

@@ -29,6 +29,7 @@ and ``ts_echo_us`` are microseconds modulo 2**32.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import struct
 from typing import NamedTuple
 
@@ -87,6 +88,14 @@ LINK_HEADER = c.Struct(
     "sack" / c.Array(c.this.sack_count, SACK_BLOCK),
 )
 
+#: One of the sender's addresses (its other paths, ``transport/paths.py``):
+#: family 4 or 6, the address, the UDP port.
+LINK_ADDRESS = c.Struct(
+    "family" / c.Int8ub,
+    "address" / c.Switch(c.this.family, {4: c.Bytes(4), 6: c.Bytes(16)}, default=c.Error),
+    "port" / c.Int16ub,
+)
+
 #: Body of INIT and INIT_ACK: what each side tells the other at link setup.
 LINK_INIT = c.Struct(
     "tag" / c.Int32ub,  # the sender's own tag: the peer puts it in conn_tag
@@ -94,9 +103,13 @@ LINK_INIT = c.Struct(
     "max_payload" / c.Int16ub,  # largest link body the sender accepts
     "rwnd" / c.Int16ub,  # initial receive window, packets
     "incarnation" / c.Int64ub,  # changes when a daemon restarts
+    # the sender's addresses, at most MAX_ADDRESSES (a count byte, then each)
+    "addresses" / c.PrefixedArray(c.Int8ub, LINK_ADDRESS),
     # empty, or (INIT only) the COOKIE_LEN bytes of the COOKIE that answered the last INIT
     "cookie" / c.GreedyBytes,
 )
+#: the most addresses an INIT / INIT_ACK carries
+MAX_ADDRESSES = 8
 
 #: Body of PROBE: an id the PROBE_ACK returns, then zeros up to the size probed.
 LINK_PROBE = c.Struct("probe_id" / c.Int32ub, "padding" / c.GreedyBytes)
@@ -115,6 +128,7 @@ HEADER_LEN = _HDR.size  # 28
 OVERHEAD = HEADER_LEN + CRC_LEN  # bytes a link packet adds around its body (no SACK)
 _SACK = struct.Struct("!II")
 _INIT = struct.Struct("!IIHHQ")
+_PORT = struct.Struct("!H")
 _PROBE_ID = struct.Struct("!I")
 _PROBE_ACK = struct.Struct("!II")
 #: the shortest PROBE body: its id
@@ -151,6 +165,8 @@ class LinkInit(NamedTuple):
     rwnd: int
     incarnation: int
     cookie: bytes = b""  #: empty, or COOKIE_LEN bytes echoed from a COOKIE
+    #: the sender's addresses (IPv4 or IPv6 text, UDP port), its paths' ends
+    addresses: tuple[tuple[str, int], ...] = ()
 
 
 def encode(h: LinkHeader, body: bytes | bytearray | memoryview = b"") -> bytes:
@@ -223,18 +239,55 @@ def decode_untrusted(datagram: bytes | bytearray | memoryview) -> tuple[LinkHead
 
 
 def encode_init(init: LinkInit) -> bytes:
-    """The body of INIT / INIT_ACK.  Raises ValueError: a cookie of the wrong length."""
+    """The body of INIT / INIT_ACK.
+
+    Raises:
+        ValueError: a cookie of the wrong length, more than ``MAX_ADDRESSES``
+            addresses, or one that is not an IP address and a port.
+    """
     if len(init.cookie) not in (0, COOKIE_LEN):
         raise ValueError(f"a cookie is {COOKIE_LEN} bytes, not {len(init.cookie)}")
-    return _INIT.pack(*init[:5]) + init.cookie
+    addrs = init.addresses
+    if len(addrs) > MAX_ADDRESSES:
+        raise ValueError(f"at most {MAX_ADDRESSES} addresses, not {len(addrs)}")
+    parts = [_INIT.pack(*init[:5]), bytes((len(addrs),))]
+    for host, port in addrs:
+        ip = ipaddress.ip_address(host)
+        try:
+            parts += (bytes((ip.version,)), ip.packed, _PORT.pack(port))
+        except struct.error as e:
+            raise ValueError(f"port {port!r}: {e}") from None
+    parts.append(init.cookie)
+    return b"".join(parts)
 
 
 def decode_init_untrusted(body: bytes | bytearray | memoryview) -> LinkInit:
     """Parse the body of INIT / INIT_ACK.  Raises WireError only."""
     n = len(body)
-    if n != _INIT.size and n != _INIT.size + COOKIE_LEN:
+    off = _INIT.size + 1
+    if n < off:
         raise WireError("bad_length", f"link init body of {n} bytes")
-    return LinkInit(*_INIT.unpack_from(body), bytes(body[_INIT.size:]))
+    count = body[_INIT.size]
+    if count > MAX_ADDRESSES:
+        raise WireError("bad_count", f"{count} addresses")
+    addrs = []
+    for _ in range(count):
+        if off >= n:
+            raise WireError("truncated", "link init addresses")
+        family = body[off]
+        size = 4 if family == 4 else 16 if family == 6 else 0
+        if not size:
+            raise WireError("bad_family", str(family))
+        end = off + 1 + size
+        if end + 2 > n:
+            raise WireError("truncated", "link init addresses")
+        raw = bytes(body[off + 1:end])
+        ip = ipaddress.IPv4Address(raw) if size == 4 else ipaddress.IPv6Address(raw)
+        addrs.append((str(ip), _PORT.unpack_from(body, end)[0]))
+        off = end + 2
+    if n - off not in (0, COOKIE_LEN):
+        raise WireError("bad_length", f"link init body of {n} bytes")
+    return LinkInit(*_INIT.unpack_from(body), bytes(body[off:]), tuple(addrs))
 
 
 def decode_cookie_untrusted(body: bytes | bytearray | memoryview) -> bytes:

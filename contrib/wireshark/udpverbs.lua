@@ -48,7 +48,7 @@ local MIN_PACKET = HEADER_LEN + CRC_LEN
 local AUTH_TRAILER_LEN = 28
 local MAX_SACK = 4
 local ENVELOPE_LEN = 8
-local INIT_LEN = 20
+local INIT_LEN = 21 -- with no address: the count byte alone
 local COOKIE_LEN = 16
 local FLOW_ACK_LEN = 4
 
@@ -140,6 +140,10 @@ local f = {
     init_rwnd = F.uint16("udpverbs.init.rwnd", "Initial receive window", base.DEC),
     init_incarnation = F.uint64("udpverbs.init.incarnation", "Incarnation", base.HEX),
     init_cookie = F.bytes("udpverbs.init.cookie", "Echoed cookie"),
+    init_naddr = F.uint8("udpverbs.init.addresses", "Addresses", base.DEC),
+    init_ipv4 = F.ipv4("udpverbs.init.ipv4", "Address"),
+    init_ipv6 = F.ipv6("udpverbs.init.ipv6", "Address"),
+    init_port = F.uint16("udpverbs.init.port", "Port", base.DEC),
     cookie_stamp = F.uint32("udpverbs.cookie.stamp_s", "Cookie time (s)", base.DEC),
     cookie_mac = F.bytes("udpverbs.cookie.mac", "Cookie MAC"),
     probe_id = F.uint32("udpverbs.probe.id", "Probe id", base.DEC),
@@ -605,12 +609,24 @@ local function dissect_link_body(ptype, p, at, n, pinfo, root, t)
             return ""
         end
         return dissect_message(p(at, n):tvb(), pinfo, root, t)
-    elseif (ptype == P_INIT or ptype == P_INIT_ACK) and (n == INIT_LEN or n == INIT_LEN + COOKIE_LEN) then
+    elseif (ptype == P_INIT or ptype == P_INIT_ACK) and n >= INIT_LEN then
         local off = add_fields(t, p, at, { { f.init_tag, 4 }, { f.init_isn, 4 }, { f.init_max_payload, 2 },
-                                           { f.init_rwnd, 2 }, { f.init_incarnation, 8 } })
-        if n > INIT_LEN then t:add(f.init_cookie, p(off, COOKIE_LEN)) end
-        return string.format("tag 0x%08x isn %d%s", p(at, 4):uint(), p(at + 4, 4):uint(),
-                             n > INIT_LEN and " with cookie" or "")
+                                           { f.init_rwnd, 2 }, { f.init_incarnation, 8 }, { f.init_naddr, 1 } })
+        -- the sender's addresses (family 4 or 6, address, port), then the cookie if any
+        local naddr = p(at + INIT_LEN - 1, 1):uint()
+        for _ = 1, naddr do
+            local fam = off < at + n and p(off, 1):uint() or 0
+            local len = fam == 4 and 4 or (fam == 6 and 16 or 0)
+            if len == 0 or off + 3 + len > at + n then break end
+            t:add(fam == 4 and f.init_ipv4 or f.init_ipv6, p(off + 1, len))
+            t:add(f.init_port, p(off + 1 + len, 2))
+            off = off + 3 + len
+        end
+        local cookie = at + n - off == COOKIE_LEN
+        if cookie then t:add(f.init_cookie, p(off, COOKIE_LEN)) end
+        return string.format("tag 0x%08x isn %d%s%s", p(at, 4):uint(), p(at + 4, 4):uint(),
+                             naddr > 0 and string.format(", %d addresses", naddr) or "",
+                             cookie and " with cookie" or "")
     elseif ptype == P_COOKIE and n == COOKIE_LEN then
         add_fields(t, p, at, { { f.cookie_stamp, 4 }, { f.cookie_mac, COOKIE_LEN - 4 } })
     elseif ptype == P_PROBE and n >= 4 then

@@ -275,6 +275,9 @@ def _add_perf_roles(perf: argparse.ArgumentParser) -> None:
     perf.add_argument("--device-on-request", action="store_true", help=argparse.SUPPRESS)
     _add_daemon_arg(perf)
     _add_no_pin(perf)
+    perf.add_argument("--local-paths", type=int, default=1, metavar="N",
+                      help="with --local: give each daemon N addresses (127.0.0.x, 127.1.0.x, ...), one link over "
+                      "N paths (default 1)")
 
 
 def _add_demo_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -493,16 +496,17 @@ def run_client(
 
 def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | None = None,  # type: ignore[no-untyped-def]
               daemon_args: Sequence[str] = (), placement: local.Placement | None = None,
-              output: OutputOptions = OutputOptions()) -> list[Row]:
+              output: OutputOptions = OutputOptions(), paths: int = 1) -> list[Row]:
     """Run both sides on this host: daemons (unless baseline-only), a server child, this client.
 
     ``daemon_args``: more flags for both daemons (checked by ``daemon_args_from``);
     ``placement``: the CPUs of the four processes (None: the scheduler's
-    choice), this one's given back at the end; ``output``: as :func:`run_client`.
+    choice), this one's given back at the end; ``output``: as :func:`run_client`;
+    ``paths``: the addresses of each daemon (``local.path_addresses``).
     Returns: the rows.
     Raises: the run errors; every child is stopped by pid first.
     """
-    daemons = local.LocalDaemons(mtu=params.mtu, daemon_args=daemon_args, placement=placement)
+    daemons = local.LocalDaemons(mtu=params.mtu, daemon_args=daemon_args, placement=placement, paths=paths)
     server = None
     try:
         # Start the daemons and the server at once: the server opens its
@@ -549,9 +553,15 @@ def cmd_perf(args: argparse.Namespace) -> int:
     placement = placement_from(args)
     if args.plot:
         require_matplotlib()  # fail before a long sweep, not after it
+    if args.local_paths != 1 and not args.local:
+        raise UsageError("--local-paths goes with --local: it gives the daemons a local run starts their addresses")
     if args.local:
+        try:
+            local.path_addresses(0, args.local_paths)
+        except ValueError as e:
+            raise UsageError(f"--local-paths: {e}") from None
         rows = run_local(params, json_out=args.json, progress=_progress(args), daemon_args=daemon_args,
-                         placement=placement, output=output)
+                         placement=placement, output=output, paths=args.local_paths)
     elif args.peer:
         host, port = parse_peer(args.peer, args.port)
         rows = run_client(

@@ -201,7 +201,7 @@ def devinfo_lines(dev: dict[str, Any], path: str, verbose: bool) -> list[str]:
         ("state", f"{dev['state']}, up {duration(dev['uptime_s'])}, pid {dev['pid']}"),
         ("node_guid", ":".join(dev["node_guid"][i:i + 4] for i in range(0, 16, 4))),
         ("control socket", path),
-        ("address", dev["addr"]),
+        ("address", " ".join(dev.get("addrs") or [dev["addr"]])),
         ("udp port", f"{dev['udp_port']} (the port's LID)"),
         ("gid", dev["gid"]),
         ("mtu", f"{dev['mtu']} (UDP payload bytes per datagram)"),
@@ -277,6 +277,21 @@ def link_table(links: list[dict[str, Any]], rates: bool) -> list[str]:
     return table(headers, rows)
 
 
+def path_table(links: list[dict[str, Any]]) -> list[str]:
+    """The paths of the links that have several (``udpverbsd --addr A --addr B``), one line each."""
+    headers = ["peer", "path", "local", "remote", "state", "dgrams out", "dgrams in", "bytes out", "bytes in",
+               "retx", "srtt us", "min rtt us", "cwnd", "rate/s", "downs", "mtu"]
+    rows: list[list[Any]] = []
+    for k in links:
+        for p in k.get("paths", ()):
+            rate = p["pacing_Bps"]
+            rows.append([k["peer"], p["path"], p["local"], p["remote"], p["state"], p["datagrams_sent"],
+                         p["datagrams_received"], nbytes(p["bytes_sent"]), nbytes(p["bytes_received"]),
+                         p["retransmissions"], p["srtt_us"], p["min_rtt_us"], nbytes(p["cwnd_bytes"]),
+                         None if rate is None else nbytes(rate), p["times_down"], p["plpmtu"]])
+    return table(headers, rows) if rows else []
+
+
 def qp_table(qps: list[dict[str, Any]], rates: bool) -> list[str]:
     """The QPs of one daemon, one line each."""
     headers = ["qpn", "pid", "state", "peer", "peer qpn", "sq posted", "sq done", "rq posted", "rq done",
@@ -313,6 +328,10 @@ def stat_lines(d: Daemon, detail: dict[str, Any] | None, rates: bool, show_all: 
     lines.append(f"  links: {len(links)}")
     if links:
         lines += link_table(links, rates)
+        paths = path_table(links)
+        if paths:
+            lines.append("  paths:")
+            lines += paths
     lines.append(f"  qps: {len(qps)}")
     if qps:
         lines += qp_table(qps, rates)

@@ -104,6 +104,8 @@ def test_large_messages_get_fewer_default_iterations_but_n_wins() -> None:
          "unknown atomic type 'SWAP'; choose one of CMP_AND_SWAP, FETCH_AND_ADD"),
         (["write_lat", "-R", "--baseline", "raw-udp", "--baseline-only"],
          "-R connects QPs through the connection manager: --baseline-only makes none"),
+        (["write_bw", "--local-paths", "2"], "--local-paths goes with --local"),
+        (["write_bw", "--local", "--local-paths", "9"], "--local-paths: a local daemon has 1 to 8 addresses, not 9"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -145,6 +145,13 @@ def test_daemon_ready_line_and_addresses() -> None:
         local.daemon_ip(253)
 
 
+def test_a_local_daemon_of_several_paths_has_one_address_per_loopback_network() -> None:
+    assert local.path_addresses(0, 1) == [local.SERVER_IP]
+    assert local.path_addresses(1, 3) == ["127.0.0.3/24", "127.1.0.3/24", "127.2.0.3/24"]
+    with pytest.raises(ValueError, match="1 to 8"):
+        local.path_addresses(0, 0)
+
+
 def test_block_placement_and_rank_environment() -> None:
     assert [local.block_placement(r, 8, 3) for r in range(8)] == [0, 0, 0, 1, 1, 1, 2, 2]
     env = local.rank_environment(1, [("127.0.0.2", 5), ("127.0.0.3", 6)], device="uv1", runtime_dir="/r", group="g",

@@ -36,7 +36,7 @@ from .daemons import DaemonProc, running
 #: the keys the documentation promises (daemon/status.py, docs/REFERENCE.md)
 DEVICE_KEYS = {"name", "version", "ctl_version", "pid", "state", "addr", "udp_port", "gid", "node_guid", "mtu", "cc",
                "gso", "native", "started", "uptime_s", "clients", "qps", "links", "cqs", "mrs", "pds", "metrics",
-               "cluster_key", "impair", "limits", "counters"}
+               "addrs", "cluster_key", "impair", "limits", "counters"}
 LIMIT_KEYS = {"max_qp", "max_cq", "max_mr", "max_pd", "max_qp_wr", "max_cqe", "max_sge", "max_inline_data",
               "max_mr_size", "max_msg_sz", "max_qp_rd_atom", "max_qp_init_rd_atom", "atomic_cap"}
 LINK_KEYS = {"peer", "addr", "port", "state", "qps", "datagrams_sent", "datagrams_received", "bytes_sent",

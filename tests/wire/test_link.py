@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import construct as c
 import pytest
 from hypothesis import given
@@ -44,12 +46,67 @@ def test_known_answer_with_sack() -> None:
     assert link.decode_untrusted(wire)[0] == h
 
 
+def _init_dict(init: LinkInit) -> dict:
+    """``init`` as the construct declaration builds and parses it."""
+    d = init._asdict()
+    d["addresses"] = [dict(family=ipaddress.ip_address(h).version, address=ipaddress.ip_address(h).packed, port=p)
+                      for h, p in init.addresses]
+    return d
+
+
+def _reference_init(data: bytes) -> LinkInit:
+    """INIT body decode on construct alone (the lengths the fast decoder checks, too)."""
+    try:
+        p = link.LINK_INIT.parse(data)
+    except (c.ConstructError, KeyError) as e:
+        raise WireError("reference", str(e)) from None
+    if len(p.cookie) not in (0, link.COOKIE_LEN) or len(p.addresses) > link.MAX_ADDRESSES:
+        raise WireError("reference", "length")
+    addrs = tuple((str(ipaddress.ip_address(a.address)), a.port) for a in p.addresses)
+    return LinkInit(p.tag, p.isn, p.max_payload, p.rwnd, p.incarnation, p.cookie, addrs)
+
+
 def test_init_known_answer() -> None:
     init = LinkInit(0x01020304, 0x0A0B0C0D, 1472, 256, 0x1122334455667788)
     wire = link.encode_init(init)
-    assert wire == bytes.fromhex("01020304" "0a0b0c0d" "05c0" "0100" "1122334455667788")
+    assert wire == bytes.fromhex("01020304" "0a0b0c0d" "05c0" "0100" "1122334455667788" "00")
     assert link.decode_init_untrusted(wire) == init
-    assert link.LINK_INIT.parse(wire) == init._asdict()
+    assert link.LINK_INIT.parse(wire) == _init_dict(init)
+
+
+def test_init_known_answer_with_addresses_and_cookie() -> None:
+    init = LinkInit(1, 2, 1472, 256, 3, bytes(range(16)), (("10.0.0.1", 18515), ("fd00::2", 0x1234)))
+    wire = link.encode_init(init)
+    assert wire == bytes.fromhex("00000001" "00000002" "05c0" "0100" "0000000000000003" "02"
+                                 "04" "0a000001" "4853"
+                                 "06" "fd000000000000000000000000000002" "1234") + bytes(range(16))
+    assert link.decode_init_untrusted(wire) == init
+    assert link.LINK_INIT.build(_init_dict(init)) == wire
+    # every shorter body is refused, never misread
+    for n in range(len(wire)):
+        if n != len(wire) - link.COOKIE_LEN:
+            with pytest.raises(WireError):
+                link.decode_init_untrusted(wire[:n])
+    assert link.decode_init_untrusted(wire[:-link.COOKIE_LEN]) == init._replace(cookie=b"")
+
+
+@pytest.mark.parametrize(("patch", "reason"), [((20, 9), "bad_count"), ((21, 5), "bad_family"),
+                                               ((20, 3), "truncated")])
+def test_init_garbage_reason(patch: tuple[int, int], reason: str) -> None:
+    wire = bytearray(link.encode_init(LinkInit(1, 2, 3, 4, 5, b"", (("10.0.0.1", 1), ("10.0.0.2", 2)))))
+    wire[patch[0]] = patch[1]
+    with pytest.raises(WireError) as e:
+        link.decode_init_untrusted(bytes(wire))
+    assert e.value.reason == reason
+
+
+def test_init_encode_refuses_what_it_cannot_carry() -> None:
+    with pytest.raises(ValueError):
+        link.encode_init(LinkInit(1, 2, 3, 4, 5, b"", (("10.0.0.1", 1),) * (link.MAX_ADDRESSES + 1)))
+    with pytest.raises(ValueError):
+        link.encode_init(LinkInit(1, 2, 3, 4, 5, b"", (("not an address", 1),)))
+    with pytest.raises(ValueError):
+        link.encode_init(LinkInit(1, 2, 3, 4, 5, b"", (("10.0.0.1", 70000),)))
 
 
 sacks = st.lists(st.tuples(u32, u32), max_size=link.MAX_SACK_BLOCKS).map(tuple)
@@ -165,13 +222,27 @@ def test_cookie_round_trip(cookie: bytes) -> None:
     assert link.LINK_COOKIE.build(dict(stamp_s=parsed.stamp_s, mac=parsed.mac)) == cookie
 
 
+addresses = st.lists(st.tuples(st.one_of(st.ip_addresses(v=4), st.ip_addresses(v=6)).map(str), u16),
+                     max_size=link.MAX_ADDRESSES).map(tuple)
+inits = st.builds(LinkInit, u32, u32, u16, u16, u64,
+                  st.just(b"") | st.binary(min_size=link.COOKIE_LEN, max_size=link.COOKIE_LEN), addresses)
+
+
 @SETTINGS
-@given(st.builds(LinkInit, u32, u32, u16, u16, u64,
-                 st.just(b"") | st.binary(min_size=link.COOKIE_LEN, max_size=link.COOKIE_LEN)))
+@given(inits)
 def test_init_round_trip(init: LinkInit) -> None:
     wire = link.encode_init(init)
     assert link.decode_init_untrusted(wire) == init
-    assert link.LINK_INIT.build(init._asdict()) == wire
+    assert link.LINK_INIT.build(_init_dict(init)) == wire
+
+
+@SETTINGS
+@given(st.one_of(st.binary(max_size=80), mutated(inits.map(link.encode_init))))
+def test_init_decoder_agrees_with_construct(data: bytes) -> None:
+    fast, ref = outcome(link.decode_init_untrusted, data), outcome(_reference_init, data)
+    assert fast[0] == ref[0], (fast, ref)
+    if fast[0] == "ok":
+        assert fast == ref
 
 
 @SETTINGS
