@@ -1,8 +1,8 @@
 """Path MTU discovery for real: two daemons in network namespaces joined by a veth pair.
 
-Each test makes two namespaces of its own (unique names, addresses
-10.201.x.0/24 that exist only inside them) and deletes them on every way
-out.  Skipped where namespaces cannot be made (not root, no ``ip``).
+Each test makes two namespaces of its own (``udpverbs.bench.netns``:
+unique names, addresses that exist only inside them) and deletes them on
+every way out.  Skipped where namespaces cannot be made (not root, no ``ip``).
 
 - ``--mtu 8972`` on a 1500-byte veth: the links find 1472-byte datagrams
   (the kernel refuses larger ones: EMSGSIZE), a 64 MiB stream of RDMA Writes
@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
-import subprocess
 import tempfile
 import time
 from typing import Iterator
@@ -28,6 +26,7 @@ from typing import Iterator
 import pytest
 
 from udpverbs import verbs
+from udpverbs.bench.netns import NamespaceError, NamespacePair, Wire
 from udpverbs.verbs.enums import IBV_SEND_SIGNALED, IBV_WC_SUCCESS, IBV_WR_RDMA_WRITE
 
 from .conftest import Side, connect_manual
@@ -38,35 +37,14 @@ WRITE = 64 * 1024
 DEPTH = 16  # Writes in flight, as perftest's tx depth
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @contextlib.contextmanager
 def veth_pair(mtu: int) -> Iterator[tuple[str, str, str, str]]:
     """Two fresh namespaces joined by a veth of ``mtu``: (ns A, ns B, address A, address B)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2's ip")
-    tag = f"{os.getpid() % 100000}{time.monotonic_ns() % 1000:03d}"
-    ns = (f"uvpm{tag}a", f"uvpm{tag}b")
-    net = f"10.201.{os.getpid() % 250}"
-    made: list[str] = []
     try:
-        try:
-            for n in ns:
-                _ip("netns", "add", n)
-                made.append(n)
-            _ip("link", "add", "uvpmA", "netns", ns[0], "type", "veth", "peer", "name", "uvpmB", "netns", ns[1])
-        except (subprocess.CalledProcessError, OSError) as e:
-            pytest.skip(f"cannot make network namespaces here: {getattr(e, 'stderr', e)!r}")
-        for n, dev, host in ((ns[0], "uvpmA", 1), (ns[1], "uvpmB", 2)):
-            _ip("-n", n, "addr", "add", f"{net}.{host}/24", "dev", dev)
-            _ip("-n", n, "link", "set", dev, "mtu", str(mtu), "up")
-            _ip("-n", n, "link", "set", "lo", "up")
-        yield ns[0], ns[1], f"{net}.1", f"{net}.2"
-    finally:
-        for n in made:  # the veth goes with its namespace
-            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=10)
+        with NamespacePair([Wire(mtu)], tag="uvpm") as pair:
+            yield pair.ns[0], pair.ns[1], pair.addrs[0][0], pair.addrs[1][0]
+    except NamespaceError as e:
+        pytest.skip(str(e))
 
 
 def in_ns(ns: str) -> tuple[str, ...]:
