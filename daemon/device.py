@@ -139,6 +139,7 @@ class Device:
         self.qps = QPTable()
         self._next_qpn = 1
         self.links: dict[tuple[str, int], PeerLink] = {}
+        self._told_version: set[tuple[str, int]] = set()  # sources warned of another link version
         #: the counters of links that ended, so that the device's ``link_*``
         #: totals never go backwards when a link is replaced
         self.ended_links: collections.Counter[str] = collections.Counter()
@@ -373,8 +374,10 @@ class Device:
         try:
             h, body = wire_link.decode_untrusted(data)
             init = wire_link.decode_init_untrusted(body) if h.ptype == wire_link.PacketType.INIT else None
-        except WireError:
+        except WireError as e:
             self.stats["rx_garbage"] += 1
+            if e.reason == "bad_version":
+                self._other_version(addr, str(e))
             return None
         if init is None or h.conn_tag != 0 or init.tag == 0:
             self.stats["rx_unknown_peer"] += 1
@@ -394,6 +397,16 @@ class Device:
             return None
         log.info("link from %s:%d", *addr)
         return self._new_link(addr)
+
+    def _other_version(self, addr: tuple[str, int], detail: str) -> None:
+        """A datagram of another link version: a peer running another udpverbs
+        release.  Say so once per source (a bounded set), since the link it
+        wants can never come up and its QPs only see retries run out."""
+        self.stats["rx_bad_version"] += 1
+        if addr not in self._told_version and len(self._told_version) < MAX_LINKS:
+            self._told_version.add(addr)
+            log.warning("datagram from %s:%d speaks link version %s, this daemon %d: run the same udpverbs "
+                        "release on every host", addr[0], addr[1], detail.split()[-1], wire_link.LINK_VERSION)
 
     def _link_event(self, pl: PeerLink, ev: Any) -> None:
         if isinstance(ev, LinkUp):

@@ -310,7 +310,7 @@ enum {
     CRC_LEN = 4,
     TAGGED_PREFIX_LEN = 22,   /* envelope 8 + tagged DDP header 14 (wire/segment.py) */
     UNTAGGED_PREFIX_LEN = 26, /* envelope 8 + untagged DDP header 18 */
-    LINK_VERSION = 1,
+    LINK_VERSION = 2, /* wire/link.py LINK_VERSION */
     PTYPE_DATA = 1,
     FLOW_ACK_FLAG = 0x02, /* wire/envelope.py Flags.FLOW_ACK */
     FLOW_ACK_LEN = 4,

@@ -38,7 +38,7 @@ import construct as c
 from .crc import _CRC, CRC_LEN, _crc32c
 from .errors import WireError
 
-LINK_VERSION = 1
+LINK_VERSION = 2  # 2: INIT and INIT_ACK carry the sender's addresses
 MAX_SACK_BLOCKS = 4
 
 

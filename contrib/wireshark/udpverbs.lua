@@ -40,7 +40,8 @@ local band, bxor, rshift = bit32.band, bit32.bxor, bit32.rshift
 -- ---------------------------------------------------------------------------
 
 local DEFAULT_PORT = 18515 -- daemon/config.py DEFAULT_PORT
-local LINK_VERSION = 1
+local LINK_VERSION = 2
+local VERSION_BYTE = string.char(LINK_VERSION)
 local HEADER_LEN = 28
 local CRC_LEN = 4
 local MIN_PACKET = HEADER_LEN + CRC_LEN
@@ -327,7 +328,7 @@ end
 local function run_size(s, n)
     local from = MIN_PACKET + 1 -- a second packet starts at offset 32 or later
     while true do
-        local at = string.find(s, "\1[\1-\7]", from) -- version 1, a packet type
+        local at = string.find(s, VERSION_BYTE .. "[\1-\9]", from) -- the version, a packet type
         if at == nil then return n, trailer_of(s, n) end
         local size = at - 1
         local ok = true

@@ -71,7 +71,7 @@ def link_datagrams(draw: st.DrawFn, tags: tuple[int, ...] = ()) -> bytes:
     ptype = draw(st.one_of(st.sampled_from(list(wl.PacketType)), u8))
     tag = draw(st.one_of(st.just(0), st.sampled_from(tags) if tags else u32, u32))
     nsack = draw(st.sampled_from([0, 0, 1, 4, 5, 255]))
-    head = struct.pack("!BBBBIIIIIHBB", draw(st.sampled_from([wl.LINK_VERSION] * 8 + [0, 2, 255])), ptype,
+    head = struct.pack("!BBBBIIIIIHBB", draw(st.sampled_from([wl.LINK_VERSION] * 8 + [0, wl.LINK_VERSION - 1, wl.LINK_VERSION + 1, 255])), ptype,
                        draw(u8), draw(st.sampled_from([0, 0, 1, 255])), tag, draw(u32), draw(u32), draw(u32),
                        draw(u32), draw(u16), nsack, draw(st.sampled_from([0] * 8 + [1])))
     sack = b"".join(struct.pack("!II", draw(u32), draw(u32)) for _ in range(min(nsack, 6)))

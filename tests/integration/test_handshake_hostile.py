@@ -114,3 +114,28 @@ def test_init_flood_costs_no_state() -> None:
                 _write_ok(a, b, 1)
                 a.close()
                 b.close()
+
+
+def test_a_peer_of_another_link_version_is_named_in_the_log_once() -> None:
+    from udpverbs.wire.crc import append_crc
+
+    packet = wl.encode_fields(wl.PacketType.INIT, 0, 0, 0, 1234, 0, 0, 0, 64,
+                              wl.encode_init(wl.LinkInit(77, 1234, 1400, 64, 5)))
+    old = append_crc(bytearray(b"\x01" + packet[1:-4]))  # version 1, a valid CRC
+    with tempfile.TemporaryDirectory(prefix="udpverbs-ver-") as d, DaemonProc("uvV1", "127.0.0.2", d, seed=33) as da:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.bind(("127.0.0.4", 0))
+            for _ in range(3):
+                s.sendto(old, ("127.0.0.2", da.port))
+            ctx = verbs.Context(socket_path=da.socket_path)
+            deadline = time.monotonic() + 10
+            while ctx.query_stats().get("rx_bad_version", 0) < 3:
+                assert time.monotonic() < deadline, ctx.query_stats()
+                time.sleep(0.01)
+            ctx.close()
+            port = s.getsockname()[1]
+        finally:
+            s.close()
+        lines = [line for line in da.log_text().splitlines() if "speaks link version" in line]
+    assert len(lines) == 1 and f"127.0.0.4:{port} speaks link version 1, this daemon {wl.LINK_VERSION}" in lines[0]

@@ -23,9 +23,9 @@ def test_crc32c_check_value() -> None:
 
 
 HEADER = LinkHeader(PacketType.DATA, LinkFlags.ACK_NOW, 0, 0xDEADBEEF, 5, 3, 1000, 0, 64)
-# version 1 | DATA 1 | ACK_NOW 1 | path 0 | tag | seq 5 | ack 3 | ts 1000 |
+# version 2 | DATA 1 | ACK_NOW 1 | path 0 | tag | seq 5 | ack 3 | ts 1000 |
 # echo 0 | rwnd 64 | sack count 0 | reserved 0
-HEADER_HEX = "01010100" "deadbeef" "00000005" "00000003" "000003e8" "00000000" "0040" "00" "00"
+HEADER_HEX = "02010100" "deadbeef" "00000005" "00000003" "000003e8" "00000000" "0040" "00" "00"
 
 
 def test_known_answer() -> None:
@@ -40,7 +40,7 @@ def test_known_answer() -> None:
 def test_known_answer_with_sack() -> None:
     h = HEADER._replace(ptype=PacketType.ACK, sack=((7, 9), (12, 13)))
     wire = link.encode(h)
-    head = bytes.fromhex(HEADER_HEX.replace("01010100", "01020100", 1)[:-4] + "0200")
+    head = bytes.fromhex(HEADER_HEX.replace("02010100", "02020100", 1)[:-4] + "0200")
     head += bytes.fromhex("00000007" "00000009" "0000000c" "0000000d")
     assert wire[:-4] == head
     assert link.decode_untrusted(wire)[0] == h
@@ -174,7 +174,7 @@ def test_fast_decoder_agrees_with_construct(data: bytes) -> None:
 
 @pytest.mark.parametrize(
     ("index", "value", "reason"),
-    [(0, 2, "bad_version"), (1, 0, "bad_ptype"), (1, max(PacketType) + 1, "bad_ptype"), (27, 1, "bad_reserved"), (26, 5, "bad_sack"),
+    [(0, 1, "bad_version"), (1, 0, "bad_ptype"), (1, max(PacketType) + 1, "bad_ptype"), (27, 1, "bad_reserved"), (26, 5, "bad_sack"),
      (26, 1, "bad_sack")],
 )
 def test_malformed_reason(index: int, value: int, reason: str) -> None:

@@ -119,7 +119,7 @@ def _flip_crc(d: bytes) -> bytes:
 
 def _version(d: bytes) -> bytes:
     body = bytearray(d[:-4])
-    body[0] = 2
+    body[0] = link.LINK_VERSION - 1
     return bytes(body) + link._CRC.pack(link._crc32c(body))
 
 
