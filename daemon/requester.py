@@ -472,6 +472,13 @@ class Requester:
                 break  # Modified ACK/NACK: nothing new until the NACKed message is accepted
             s = self.sending
             if s is None:
+                if lane and start:
+                    # a stream's small messages that are alike: all in one call
+                    k = self.take_batch(link, min(budget - sent, FLUSH_EVERY - taken, link.link.send_space()))
+                    if k:
+                        sent += k
+                        taken += k
+                        continue
                 queued = self.start_next() if start else -1
                 if queued < 0:
                     break

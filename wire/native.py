@@ -160,9 +160,29 @@ long udpv_rx_recv_run(udpv_rx_recv *a, udpv_rx_run *r, uint8_t *buf, size_t cap,
 
 size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watched, size_t n, size_t cons_word,
                         uint32_t *out);
+
+typedef struct {
+    const uint8_t *slots;
+    uint32_t cons, mask, entry_size, sg_at, avail;
+    uint32_t opcode, flags_ok, inline_flag, signaled_flag, sig_all, max_inline, max_len;
+    uint32_t lkey;
+    uint64_t addr, len;
+    uint8_t hdr[32];
+    uint32_t prefix, untagged, msn;
+    uint32_t length;
+    uint64_t *wr_id;
+    uint64_t *raddr;
+    uint32_t *rkey;
+    uint64_t *src_off;
+    uint8_t *signaled;
+} udpv_tx_take;
+
+size_t udpv_tx_take_small(udpv_tx_take *t, const uint8_t *mem, uint8_t *out, size_t max, size_t spacing);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")
+#: compiled after ``_native.c``, in the same unit (it uses that file's helpers)
+_BATCH_SOURCE = _SOURCE.with_name("_native_batch.c")
 _loaded: ModuleType | None = None
 _tried = False
 
@@ -195,7 +215,7 @@ def build(target_dir: pathlib.Path) -> pathlib.Path:
     """
     import cffi
 
-    source = _SOURCE.read_text()
+    source = _SOURCE.read_text() + _BATCH_SOURCE.read_text()
     name = _module_name(source)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     final = target_dir / (name + suffix)

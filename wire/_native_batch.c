@@ -1,0 +1,124 @@
+/* The batch take (see wire/native.py and daemon/txbatch.py): a stream's
+ * small messages straight from the send queue into a link run.
+ *
+ * Compiled after _native.c, in the same unit: it uses that file's helpers
+ * (put32, put64).  One call takes the next WQEs of one QP's SQ that are all
+ * alike (one opcode, flags among those allowed, payload inline or one SGE in
+ * the one local region the caller checked, all of the first one's length,
+ * one DDP segment each) and builds each one's segment (the header Python
+ * packed, its own STag and TO, or its MSN, then its payload) in the place
+ * its link packet will have (transport/link.py run_slots), so the link
+ * queues them as one run and the framer frames them in one call.  It stops
+ * at the first WQE that is not like the others; that one and everything
+ * unusual (errors included) is the Python path's (daemon/requester.py).
+ * The WQE is in the application's memory: each field is read once, and
+ * what was read is what the caller's records get.
+ */
+
+enum {
+    /* struct uv_send_wqe (wire/shm.py), host byte order */
+    WQE_WR_ID = 0,
+    WQE_RADDR = 8,
+    WQE_OPCODE = 16,
+    WQE_FLAGS = 20,
+    WQE_NUM_SGE = 24,
+    WQE_RKEY = 32,
+    WQE_INLINE_LEN = 36,
+    /* struct uv_sge */
+    SGE_LENGTH = 8,
+    SGE_LKEY = 12,
+    /* where the segment headers keep what varies (wire/segment.py) */
+    TAGGED_STAG_AT = 10,
+    TAGGED_TO_AT = 14,
+    UNTAGGED_MSN_AT = 18,
+};
+
+typedef struct {
+    /* the send queue */
+    const uint8_t *slots;  /* its first slot */
+    uint32_t cons;         /* the daemon's consumer index */
+    uint32_t mask;         /* entries - 1 */
+    uint32_t entry_size;
+    uint32_t sg_at;        /* where a WQE's SGE list (or inline data) starts */
+    uint32_t avail;        /* WQEs posted beyond cons, as the caller read the producer index */
+    /* what every WQE taken must be */
+    uint32_t opcode;       /* the WR opcode: RDMA Write or Send */
+    uint32_t flags_ok;     /* send_flags a WQE may have */
+    uint32_t inline_flag;  /* IBV_SEND_INLINE */
+    uint32_t signaled_flag;/* IBV_SEND_SIGNALED */
+    uint32_t sig_all;      /* the QP signals every WR */
+    uint32_t max_inline;   /* the longest inline payload taken */
+    uint32_t max_len;      /* the longest payload one segment carries */
+    uint32_t lkey;         /* the local region an SGE must lie in */
+    uint64_t addr;         /* its first byte's address (the application's) */
+    uint64_t len;          /* its length */
+    /* the segment header, packed by Python (wire/segment.py) */
+    uint8_t hdr[32];
+    uint32_t prefix;       /* its bytes: 22 tagged, 26 untagged */
+    uint32_t untagged;     /* a Send's: the MSN from `msn`, one more each; else STag and TO from the WQE */
+    uint32_t msn;
+    /* out: the payload length of each message (all alike), and per WQE */
+    uint32_t length;
+    uint64_t *wr_id;
+    uint64_t *raddr;
+    uint32_t *rkey;
+    uint64_t *src_off;     /* the payload's offset in the region; inline: UINT64_MAX */
+    uint8_t *signaled;
+} udpv_tx_take;
+
+static inline uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, sizeof v); return v; }
+static inline uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, sizeof v); return v; }
+
+/* Take up to `max` WQEs from t's SQ (see the file's comment), building the
+   i-th's segment at out + i * spacing; the region's bytes are at `mem`.
+   Returns how many (the caller pops them off the ring). */
+size_t udpv_tx_take_small(udpv_tx_take *t, const uint8_t *mem, uint8_t *out, size_t max, size_t spacing) {
+    size_t k = 0;
+    size_t n_max = max < t->avail ? max : t->avail;
+    t->length = 0;
+    for (; k < n_max; k++) {
+        const uint8_t *w = t->slots + (size_t)((t->cons + (uint32_t)k) & t->mask) * t->entry_size;
+        uint8_t head[WQE_INLINE_LEN + 4];
+        memcpy(head, w, sizeof head); /* once: the application may write the slot meanwhile */
+        uint32_t flags = ld32(head + WQE_FLAGS);
+        if (ld32(head + WQE_OPCODE) != t->opcode || (flags & ~t->flags_ok)) break;
+        const uint8_t *src;
+        uint64_t off;
+        uint32_t n;
+        if (flags & t->inline_flag) {
+            n = ld32(head + WQE_INLINE_LEN);
+            if (n > t->max_inline) break;
+            src = w + t->sg_at;
+            off = UINT64_MAX;
+        } else {
+            if (ld32(head + WQE_NUM_SGE) != 1) break;
+            uint8_t sge[16];
+            memcpy(sge, w + t->sg_at, sizeof sge);
+            uint64_t a = ld64(sge);
+            n = ld32(sge + SGE_LENGTH);
+            if (ld32(sge + SGE_LKEY) != t->lkey || a < t->addr || a - t->addr > t->len || n > t->len - (a - t->addr))
+                break;
+            off = a - t->addr;
+            src = mem + off;
+        }
+        if (n == 0 || n > t->max_len || (k && n != t->length)) break;
+        t->length = n;
+        uint8_t *b = out + k * spacing;
+        memcpy(b, t->hdr, t->prefix);
+        uint32_t rkey = ld32(head + WQE_RKEY);
+        uint64_t raddr = ld64(head + WQE_RADDR);
+        if (t->untagged) {
+            put32(b + UNTAGGED_MSN_AT, t->msn + (uint32_t)k);
+        } else {
+            put32(b + TAGGED_STAG_AT, rkey);
+            put64(b + TAGGED_TO_AT, raddr);
+        }
+        memcpy(b + t->prefix, src, n);
+        t->wr_id[k] = ld64(head + WQE_WR_ID);
+        t->raddr[k] = raddr;
+        t->rkey[k] = rkey;
+        t->src_off[k] = off;
+        t->signaled[k] = t->sig_all || (flags & t->signaled_flag);
+    }
+    return k;
+}
