@@ -474,9 +474,10 @@ class Requester:
             if s is None:
                 if lane and start:
                     # a stream's small messages that are alike: all in one call
-                    k = self.take_batch(link, min(budget - sent, FLUSH_EVERY - taken, link.link.send_space()))
+                    k, segments = self.take_batch(link, FLUSH_EVERY - taken, min(budget - sent,
+                                                                                 link.link.send_space()))
                     if k:
-                        sent += k
+                        sent += segments
                         taken += k
                         continue
                 queued = self.start_next() if start else -1

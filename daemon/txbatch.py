@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 A stream of small RDMA Writes or Sends (perftest's ``write_bw -s 64``) is
-WQEs that are all alike: one opcode, a payload that fits one DDP segment,
-inline or in one SGE of one registered region, all of one length.  Taken
+WQEs that are all alike: one opcode, a payload inline or in one SGE of one
+registered region, all of one length, that fits one DDP segment (a Write's
+may take several, where the per-WQE path cuts it evenly: ``-s 4096``).  Taken
 one by one (``Requester.start_next``) each costs the sending daemon a few
 microseconds of Python: the WQE's fields, the SGE's check, a segment built
 and queued on the link, and at the flush a link packet framed in Python.
@@ -64,14 +65,15 @@ _UNTAGGED_PREFIX = segment.UNTAGGED_PREFIX_LEN
 #: flags a batched WQE may have: any other (fence, solicited) takes the per-WQE path
 _FLAGS_OK = SEND_SIGNALED | SEND_INLINE
 _NO_REGION = 0xFFFFFFFFFFFFFFFF  # src_off of an inline payload
-#: the most WQEs one call takes (the per-WQE loop flushes every FLUSH_EVERY anyway)
+#: the most segments one call builds (the per-WQE loop flushes every FLUSH_EVERY WQEs anyway)
 MAX_BATCH = 64
+_NONE = (0, 0)
 
 
 class BatchScratch:
     """One QP's descriptor and per-WQE outputs for ``udpv_tx_take_small``."""
 
-    __slots__ = ("ffi", "lib", "t", "hdr", "wr_id", "raddr", "rkey", "src_off", "signaled", "alloc", "ring")
+    __slots__ = ("ffi", "lib", "t", "hdr", "more", "wr_id", "raddr", "rkey", "src_off", "signaled", "alloc", "ring")
 
     def __init__(self, native: Any) -> None:
         ffi = native.ffi
@@ -79,6 +81,7 @@ class BatchScratch:
         self.lib = native.lib
         t = self.t = ffi.new("udpv_tx_take *")
         self.hdr = ffi.buffer(t.hdr)
+        self.more = ffi.buffer(t.more)
         # the arrays live as long as this object: t only points at them
         self.wr_id = t.wr_id = ffi.new("uint64_t[]", MAX_BATCH)
         self.raddr = t.raddr = ffi.new("uint64_t[]", MAX_BATCH)
@@ -105,22 +108,19 @@ class TxBatch:
 
     _txb: BatchScratch | None
 
-    def take_batch(self, pl: PeerLink, room: int) -> int:
-        """Take up to ``room`` one-segment RDMA Writes or Sends that are
-        alike off the SQ in one compiled call and queue them on ``pl`` as
-        one run; return how many (0: none taken, the per-WQE path goes on).
-        The caller has checked that nothing else is under way or owed."""
+    def take_batch(self, pl: PeerLink, wqes: int, room: int) -> tuple[int, int]:
+        """Take up to ``wqes`` RDMA Writes or one-segment Sends that are
+        alike off the SQ in one compiled call, their segments at most
+        ``room``, and queue them on ``pl`` as one run; return how many WQEs
+        and segments (0 WQEs: none taken, the per-WQE path goes on).  The
+        caller has checked that nothing else is under way or owed."""
         sq = self.sq
         try:
             avail = sq.available()
         except shm.RingError:
-            return 0  # the per-WQE path reports it
-        if room > avail:
-            room = avail
-        if room > MAX_BATCH:
-            room = MAX_BATCH
-        if room < 2 or getattr(pl, "multipath", False) or getattr(pl.link, "multipath", False):
-            return 0
+            return _NONE  # the per-WQE path reports it
+        if avail < 2 or room < 2 or getattr(pl, "multipath", False) or getattr(pl.link, "multipath", False):
+            return _NONE
         buf = sq.buf
         at = sq.slot_offset()
         opcode, flags, num_sge = _OP_FLAGS_NSGE.unpack_from(buf, at + _OP_AT)
@@ -130,9 +130,9 @@ class TxBatch:
             # (a Modified ACK owed rides on the first Send: the per-WQE path)
             untagged, max_len = True, pl.max_data - (_UNTAGGED_PREFIX - _TAGGED_PREFIX)
         else:
-            return 0
+            return _NONE
         if flags & ~_FLAGS_OK:
-            return 0
+            return _NONE
         mr = None
         if flags & SEND_INLINE:
             n = _U32_AT.unpack_from(buf, at + _INLINE_LEN_AT)[0]
@@ -140,17 +140,34 @@ class TxBatch:
             addr, n, lkey = _SGE.unpack_from(buf, at + _SG_OFFSET)
             mr = self.device.stags.lookup(lkey)
             if mr is None or mr.check(self.pd, 0, addr, n, tagged=False)[0]:
-                return 0
+                return _NONE
         else:
-            return 0
-        if n == 0 or n > max_len:
-            return 0
-        return self._take(pl, sq, room, opcode, untagged, n, max_len, mr)
+            return _NONE
+        seg = n
+        if n > max_len:
+            # A Write of several segments: only where the per-WQE path cuts
+            # it evenly (a stream's, with another WR outstanding), so that
+            # all segments are of one size.  That path takes the WQE that
+            # reaches FLUSH_EVERY, flushes, then queues its segments: the
+            # batch leaves that one to it.
+            if untagged or mr is None or not self.outstanding:
+                return _NONE
+            seg = pl.segment_size(n, True)
+            wqes -= 1
+        if n == 0 or n % seg:
+            return _NONE
+        m = n // seg
+        k = min(avail, wqes, room // m, MAX_BATCH // m)
+        if k < 2:
+            return _NONE
+        k = self._take(pl, sq, k, opcode, untagged, n, seg, mr)
+        return k, k * m
 
-    def _take(self, pl: PeerLink, sq: shm.Ring, room: int, opcode: int, untagged: bool, n: int, max_len: int,
+    def _take(self, pl: PeerLink, sq: shm.Ring, room: int, opcode: int, untagged: bool, n: int, seg: int,
               mr: Any) -> int:
         """``take_batch`` once the first WQE is known to fit: the compiled
-        call, then the ring, the link and the records."""
+        call (up to ``room`` WQEs, messages of ``n`` bytes in segments of
+        ``seg``), then the ring, the link and the records; returns the WQEs taken."""
         b = self._txb
         if b is None:
             b = self._txb = BatchScratch(self.device.native)
@@ -162,9 +179,10 @@ class TxBatch:
         t.avail = room
         t.opcode = opcode
         t.sig_all = 1 if self.sq_sig_all else 0
-        t.max_inline = min(shm.MAX_INLINE, self.caps["max_inline_data"])
-        t.max_len = max_len
+        # (a message of several segments is never inline: longer than one segment)
+        t.max_inline = min(shm.MAX_INLINE, self.caps["max_inline_data"]) if seg == n else 0
         t.length = n
+        t.seg = seg
         if mr is not None:
             t.lkey, t.addr, t.len = mr.stag, mr.addr, mr.length
         else:
@@ -176,12 +194,14 @@ class TxBatch:
         else:
             prefix = _TAGGED_PREFIX
             segment.pack_tagged_into(b.hdr, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, True, 0, 0)
+            segment.pack_tagged_into(b.more, 0, self.dest_qpn, self.qpn, Opcode.RDMA_WRITE, False, 0, 0)
         t.prefix = prefix
         t.untagged = untagged
-        stride = prefix + n
+        stride = prefix + seg
+        m = n // seg
         head, slot = run_slots(stride)
         ffi = b.ffi
-        dst = b.alloc("uint8_t[]", room * slot)
+        dst = b.alloc("uint8_t[]", room * m * slot)
         mem = ffi.from_buffer("uint8_t[]", mr.view) if mr is not None else ffi.NULL
         try:
             k = b.lib.udpv_tx_take_small(t, mem, dst + head, room, slot)
@@ -191,21 +211,23 @@ class TxBatch:
         if k < 2:
             return 0
         sq.pop(k)
+        self.device.stats["tx_batched_wqes"] += k
         if pl.requests:
             pl.flush_requests()  # as PeerLink.send: requests queued before go first
         run = memoryview(ffi.buffer(dst))
         # A Send completes on the peer's Modified ACK, which carries the
         # link's ACK too: its messages ask for no ACK at once.
-        n0 = pl.link.send_run(run, stride, k, stride, ack_now=not untagged)
+        n0 = pl.link.send_run(run, stride, k * m, stride, ack_now=not untagged)
         if untagged:
             self._sends_taken(b, k, n, n0, run, head + prefix, slot, mr)
         else:
-            self._writes_taken(b, pl, k, n, n0)
+            self._writes_taken(b, pl, k, n, n0 + m - 1, m)
         return k
 
-    def _writes_taken(self, b: BatchScratch, pl: PeerLink, k: int, n: int, n0: int) -> None:
-        """The records of ``k`` one-segment RDMA Writes of ``n`` bytes queued
-        as link messages ``n0``...: each completes once the link has it acknowledged."""
+    def _writes_taken(self, b: BatchScratch, pl: PeerLink, k: int, n: int, last: int, m: int) -> None:
+        """The records of ``k`` RDMA Writes of ``n`` bytes, ``m`` segments
+        each, the first one's last queued as link message ``last``: each
+        completes once the link has its last acknowledged."""
         ffi = b.ffi
         ids, raddrs, rkeys, sig = (ffi.unpack(b.wr_id, k), ffi.unpack(b.raddr, k), ffi.unpack(b.rkey, k),
                                    ffi.unpack(b.signaled, k))
@@ -215,9 +237,10 @@ class TxBatch:
             wr = OutWR(ids[i], WC_RDMA_WRITE, sig[i] != 0, n)
             wr.rkey = rkeys[i]
             wr.raddr = raddrs[i]
-            wr.last_n = n0 + i
+            wr.last_n = last
             outstanding.append(wr)
-            waiters.append((n0 + i, self))
+            waiters.append((last, self))
+            last += m
 
     def _sends_taken(self, b: BatchScratch, k: int, n: int, n0: int, run: memoryview, first: int, slot: int,
                      mr: Any) -> None:

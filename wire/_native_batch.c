@@ -5,10 +5,11 @@
  * (put32, put64).  One call takes the next WQEs of one QP's SQ that are all
  * alike (one opcode, flags among those allowed, payload inline or one SGE in
  * the one local region the caller checked, all of the first one's length,
- * one DDP segment each) and builds each one's segment (the header Python
- * packed, its own STag and TO, or its MSN, then its payload) in the place
- * its link packet will have (transport/link.py run_slots), so the link
- * queues them as one run and the framer frames them in one call.  It stops
+ * cut into segments of one size) and builds their segments (the headers
+ * Python packed, each with its own STag and TO, or its MSN, then its
+ * payload), each in the place its link packet will have (transport/link.py
+ * run_slots), so the link queues them as one run and the framer frames
+ * them in one call.  It stops
  * at the first WQE that is not like the others; that one and everything
  * unusual (errors included) is the Python path's (daemon/requester.py).
  * The WQE is in the application's memory: each field is read once, and
@@ -48,17 +49,19 @@ typedef struct {
     uint32_t signaled_flag;/* IBV_SEND_SIGNALED */
     uint32_t sig_all;      /* the QP signals every WR */
     uint32_t max_inline;   /* the longest inline payload taken */
-    uint32_t max_len;      /* the longest payload one segment carries */
     uint32_t lkey;         /* the local region an SGE must lie in */
     uint64_t addr;         /* its first byte's address (the application's) */
     uint64_t len;          /* its length */
-    /* the segment header, packed by Python (wire/segment.py) */
+    /* the segment headers, packed by Python (wire/segment.py): of a
+       message's last segment, and of the others (a Write of several) */
     uint8_t hdr[32];
-    uint32_t prefix;       /* its bytes: 22 tagged, 26 untagged */
+    uint8_t more[32];
+    uint32_t prefix;       /* their bytes: 22 tagged, 26 untagged */
+    uint32_t seg;          /* payload bytes a segment: `length` divided evenly (a Send's: `length`) */
     uint32_t untagged;     /* a Send's: the MSN from `msn`, one more each; else STag and TO from the WQE */
     uint32_t msn;
-    /* out: the payload length of each message (all alike), and per WQE */
-    uint32_t length;
+    uint32_t length;       /* every message's payload: the first WQE's, checked by the caller */
+    /* out, per WQE */
     uint64_t *wr_id;
     uint64_t *raddr;
     uint32_t *rkey;
@@ -70,12 +73,13 @@ static inline uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, sizeof
 static inline uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, sizeof v); return v; }
 
 /* Take up to `max` WQEs from t's SQ (see the file's comment), building the
-   i-th's segment at out + i * spacing; the region's bytes are at `mem`.
-   Returns how many (the caller pops them off the ring). */
+   segments of each in turn, `spacing` bytes apart from `out` (a message of
+   length / seg segments, each seg bytes at the next tagged offset, the last
+   with the `hdr` header, the others with `more`); the region's bytes are at
+   `mem`.  Returns how many WQEs (the caller pops them off the ring). */
 size_t udpv_tx_take_small(udpv_tx_take *t, const uint8_t *mem, uint8_t *out, size_t max, size_t spacing) {
     size_t k = 0;
     size_t n_max = max < t->avail ? max : t->avail;
-    t->length = 0;
     for (; k < n_max; k++) {
         const uint8_t *w = t->slots + (size_t)((t->cons + (uint32_t)k) & t->mask) * t->entry_size;
         uint8_t head[WQE_INLINE_LEN + 4];
@@ -101,19 +105,21 @@ size_t udpv_tx_take_small(udpv_tx_take *t, const uint8_t *mem, uint8_t *out, siz
             off = a - t->addr;
             src = mem + off;
         }
-        if (n == 0 || n > t->max_len || (k && n != t->length)) break;
-        t->length = n;
-        uint8_t *b = out + k * spacing;
-        memcpy(b, t->hdr, t->prefix);
+        if (n != t->length) break;
         uint32_t rkey = ld32(head + WQE_RKEY);
         uint64_t raddr = ld64(head + WQE_RADDR);
-        if (t->untagged) {
-            put32(b + UNTAGGED_MSN_AT, t->msn + (uint32_t)k);
-        } else {
-            put32(b + TAGGED_STAG_AT, rkey);
-            put64(b + TAGGED_TO_AT, raddr);
+        size_t m = n / t->seg;
+        for (size_t j = 0; j < m; j++) {
+            uint8_t *b = out + (k * m + j) * spacing;
+            memcpy(b, j + 1 == m ? t->hdr : t->more, t->prefix);
+            if (t->untagged) {
+                put32(b + UNTAGGED_MSN_AT, t->msn + (uint32_t)k);
+            } else {
+                put32(b + TAGGED_STAG_AT, rkey);
+                put64(b + TAGGED_TO_AT, raddr + j * t->seg);
+            }
+            memcpy(b + t->prefix, src + j * t->seg, t->seg);
         }
-        memcpy(b + t->prefix, src, n);
         t->wr_id[k] = ld64(head + WQE_WR_ID);
         t->raddr[k] = raddr;
         t->rkey[k] = rkey;

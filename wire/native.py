@@ -164,11 +164,12 @@ size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watc
 typedef struct {
     const uint8_t *slots;
     uint32_t cons, mask, entry_size, sg_at, avail;
-    uint32_t opcode, flags_ok, inline_flag, signaled_flag, sig_all, max_inline, max_len;
+    uint32_t opcode, flags_ok, inline_flag, signaled_flag, sig_all, max_inline;
     uint32_t lkey;
     uint64_t addr, len;
     uint8_t hdr[32];
-    uint32_t prefix, untagged, msn;
+    uint8_t more[32];
+    uint32_t prefix, seg, untagged, msn;
     uint32_t length;
     uint64_t *wr_id;
     uint64_t *raddr;
