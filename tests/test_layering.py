@@ -71,7 +71,7 @@ DAEMON_ORDER = [
     "heap", "tables", "quota", "clusterkey", "paths", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
     "peer",
     "completer", "responder", "requester", "txbatch", "qp",
-    "scheduler", "rxlane", "receive", "loop", "device", "status", "metrics",
+    "scheduler", "rxsends", "rxlane", "receive", "loop", "device", "status", "metrics",
     "qlock", "gbarrier", "groups",
     "control", "server", "cm", "__main__",
 ]

@@ -128,3 +128,99 @@ size_t udpv_tx_take_small(udpv_tx_take *t, const uint8_t *mem, uint8_t *out, siz
     }
     return k;
 }
+
+/* -- the Send batch: a GRO buffer of one-segment Sends, each into its receive -- */
+
+enum {
+    /* struct uv_recv_wqe and struct uv_cqe (wire/shm.py), host byte order */
+    RWQE_NUM_SGE = 8,
+    CQE_STATUS = 8,
+    CQE_OPCODE = 12,
+    CQE_VENDOR_ERR = 16,
+    CQE_BYTE_LEN = 20,
+    CQE_IMM = 24,
+    CQE_QP_NUM = 28,
+    CQE_SRC_QP = 32,
+    CQE_WC_FLAGS = 36,
+};
+
+typedef struct {
+    /* the receive queue: its slots, the daemon's consumer index, receives posted */
+    const uint8_t *rq;
+    uint32_t rq_cons, rq_mask, rq_entry_size, rq_sg_at, rq_avail;
+    /* the one region the receives must lie in (the caller checked it for the QP) */
+    uint32_t lkey;
+    uint64_t addr, len;
+    /* the receive CQ: its slots, the daemon's producer index, free slots */
+    uint8_t *cq;
+    uint32_t cq_prod, cq_mask, cq_entry_size, cq_room;
+    uint32_t qp_num, src_qp, wc_recv;
+    /* out: the datagrams' link fields, as udpv_rx_run's over the whole batch */
+    uint32_t ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or;
+    uint32_t flow_ack, flow_ack_msn;
+} udpv_rx_sends;
+
+static inline void st32(uint8_t *p, uint32_t v) { memcpy(p, &v, sizeof v); }
+
+/* One-segment Sends at buf (datagrams of `seg` bytes, as udpv_rx_write_run
+   reads them), each into the next posted receive (one SGE in s's region;
+   `mem` is the region's first byte) with its CQE written after the CQ's
+   producer index: r is set up as for a Send's run, with `whole` (each
+   datagram a whole message), its MSN the next expected, and is moved on
+   message by message (seq, MSN, window room).  Stops at the first datagram
+   the lane would not take as such a Send, at a receive that is not one SGE
+   in the region, when receives or CQ slots run out, and at an ACK field
+   other than the first's (the link takes one per run).  Returns how many;
+   the caller pops the receives, publishes the CQEs and accounts for the
+   run on the link. */
+size_t udpv_rx_send_batch(udpv_rx_sends *s, udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg,
+                          uint8_t *mem) {
+    size_t n = 0, off = 0;
+    s->flags_or = 0;
+    s->flow_ack = 0;
+    while (off < len && n < s->rq_avail && n < s->cq_room && r->max_count > 0) {
+        if (len - off < LINK_HEADER_LEN || (n && be32(buf + off + 12) != s->ack)) break;
+        const uint8_t *w = s->rq + (size_t)((s->rq_cons + (uint32_t)n) & s->rq_mask) * s->rq_entry_size;
+        uint8_t head[16], sge[16];
+        memcpy(head, w, sizeof head); /* once: the application may write the slot meanwhile */
+        memcpy(sge, w + s->rq_sg_at, sizeof sge);
+        uint64_t a = ld64(sge);
+        uint32_t sl = ld32(sge + SGE_LENGTH);
+        if (ld32(head + RWQE_NUM_SGE) != 1 || ld32(sge + SGE_LKEY) != s->lkey || a < s->addr ||
+            a - s->addr > s->len || sl > s->len - (a - s->addr))
+            break;
+        r->length = sl;
+        r->next_to = 0;
+        if (udpv_rx_write_run(r, buf + off, len - off, seg, mem + (a - s->addr)) != 1 || !r->ended) break;
+        if (n == 0) {
+            s->ack = r->first_ack;
+            s->ts = r->first_ts;
+            s->echo = r->first_echo;
+            s->rwnd = r->first_rwnd;
+            s->flags = r->first_flags;
+        }
+        s->last_ts = r->last_ts;
+        s->last_rwnd = r->last_rwnd;
+        s->flags_or |= r->flags_or;
+        if (r->flow_ack) {
+            s->flow_ack = 1;
+            s->flow_ack_msn = r->flow_ack_msn;
+        }
+        uint8_t *c = s->cq + (size_t)((s->cq_prod + (uint32_t)n) & s->cq_mask) * s->cq_entry_size;
+        memcpy(c, head, 8); /* wr_id */
+        st32(c + CQE_STATUS, 0);
+        st32(c + CQE_OPCODE, s->wc_recv);
+        st32(c + CQE_VENDOR_ERR, 0);
+        st32(c + CQE_BYTE_LEN, (uint32_t)r->bytes);
+        st32(c + CQE_IMM, 0);
+        st32(c + CQE_QP_NUM, s->qp_num);
+        st32(c + CQE_SRC_QP, s->src_qp);
+        st32(c + CQE_WC_FLAGS, 0);
+        r->seq++;
+        r->max_count--;
+        r->msn++;
+        off += len - off < seg ? len - off : seg;
+        n++;
+    }
+    return n;
+}

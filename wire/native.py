@@ -179,6 +179,21 @@ typedef struct {
 } udpv_tx_take;
 
 size_t udpv_tx_take_small(udpv_tx_take *t, const uint8_t *mem, uint8_t *out, size_t max, size_t spacing);
+
+typedef struct {
+    const uint8_t *rq;
+    uint32_t rq_cons, rq_mask, rq_entry_size, rq_sg_at, rq_avail;
+    uint32_t lkey;
+    uint64_t addr, len;
+    uint8_t *cq;
+    uint32_t cq_prod, cq_mask, cq_entry_size, cq_room;
+    uint32_t qp_num, src_qp, wc_recv;
+    uint32_t ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or;
+    uint32_t flow_ack, flow_ack_msn;
+} udpv_rx_sends;
+
+size_t udpv_rx_send_batch(udpv_rx_sends *s, udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg,
+                          uint8_t *mem);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")
