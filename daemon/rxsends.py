@@ -21,7 +21,8 @@ Event, Invalidate or Immediate Data, of several segments, one longer than
 its receive, a receive of several SGEs or elsewhere, no receive posted
 (RNR), a full CQ, anything the lane refuses.  What it leaves, the usual
 path takes (``Receiver.receive`` goes on where it stopped).  Not with an
-SRQ (its low-water event is counted per receive taken).
+SRQ (its low-water event is counted per receive taken), nor on a link of
+several paths.
 ``tests/daemon/test_rx_sends.py`` checks that a receiver with the batch and
 one without answer alike and complete alike.
 """
@@ -68,7 +69,7 @@ def more_sends(b: SendBatch, pl: PeerLink, qp: Any, stats: Any, data: bytes, off
     right after the lane took the Send before them; return the bytes
     consumed (0: none, the usual path goes on)."""
     if (qp.srq is not None or qp.rx_recv is not None or qp.rx_imm_pending or qp.rx_rnr
-            or qp.state not in RECEIVING or qp.recv_cq.overrun):
+            or qp.state not in RECEIVING or qp.recv_cq.overrun or getattr(pl.link, "multipath", False)):
         return 0
     rq = qp.recv_ring
     cq = qp.recv_cq.ring

@@ -57,6 +57,15 @@ caller armed it for, the lane over it with a run the daemon set up before
 the datagram came (``ReceiveLane.arm``).  Whatever it does not take stays in
 the buffer for the Python path, with its source.
 
+The batches (``_native_batch.c``, compiled with it) take a stream's small
+messages as one: ``udpv_tx_take_small`` takes the next WQEs of an SQ that
+are alike and builds their segments into run slots, as ``udpv_tx_bodies``
+does one message's (``daemon/txbatch.py``); ``udpv_rx_send_batch`` runs
+the receive lane over a buffer of one-segment Sends, one message a call,
+each into the next posted receive, and writes their CQEs
+(``daemon/rxsends.py``).  Both stop at the first item that is not like
+the others, and Python takes it.
+
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
 idle QPs have new WQEs, comparing producer and consumer index in each SQ's
 header in one call instead of one Python step per QP (``daemon/scheduler.py``,
