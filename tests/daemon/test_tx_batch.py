@@ -41,7 +41,7 @@ def _post(host: Host, peer: Host, wr_id: int, opcode: int, flags: int, payload: 
           dst: int, fault: str) -> None:
     """A send WQE written into ``host``'s SQ by hand: ``payload`` SGEs
     ((offset, length) in its region) or inline bytes; ``fault`` makes one
-    of its keys or addresses wrong."""
+    of its keys or addresses wrong ("lkey", "bounds", "rkey")."""
     ring = host.qp.sq
     ring.prod = ring.hdr.producer
     at = ring.next_slot_offset()
@@ -64,7 +64,7 @@ def _post(host: Host, peer: Host, wr_id: int, opcode: int, flags: int, payload: 
 #: a run of alike messages: (Send?, length, inline?, extra flags, fault, how many)
 _RUN = st.tuples(st.booleans(), st.sampled_from([1, 8, 64, 100, 1024, 1422, 1446, 2900, 3000, 4096]), st.booleans(),
                  st.sampled_from([0, 0, 0, int(F.IBV_SEND_FENCE), int(F.IBV_SEND_SOLICITED)]),
-                 st.sampled_from(["", "", "", "", "", "", "lkey", "bounds", "rkey"]), st.integers(1, 12))
+                 st.sampled_from(["", "", "", "", "", "", "lkey", "bounds", "rkey", "split"]), st.integers(1, 12))
 
 
 def _stream(seed: int, runs: list[tuple[bool, int, bool, int, str, int]], late_recvs: int,
@@ -84,7 +84,12 @@ def _stream(seed: int, runs: list[tuple[bool, int, bool, int, str, int]], late_r
             if len(wqes) == 60:
                 break
             src = rng.randrange(0, MR_LEN // 2 - n)
-            payload = bytes(fast.mr.view[src:src + n]) if inline and n <= _CAPS["max_inline_data"] else [(src, n)]
+            if fault == "split" and n > 1:  # two SGEs: the per-WQE path's
+                payload: list[tuple[int, int]] | bytes = [(src, n // 2), (src + n // 2, n - n // 2)]
+            elif inline and n <= _CAPS["max_inline_data"]:
+                payload = bytes(fast.mr.view[src:src + n])
+            else:
+                payload = [(src, n)]
             wqes.append((len(wqes), _SEND if send else _WRITE, flags, payload, at, fault))
             at += n
     sends = [w for w in wqes if w[1] == _SEND]
