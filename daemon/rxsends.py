@@ -69,7 +69,7 @@ def more_sends(b: SendBatch, pl: PeerLink, qp: Any, stats: Any, data: bytes, off
     right after the lane took the Send before them; return the bytes
     consumed (0: none, the usual path goes on)."""
     if (qp.srq is not None or qp.rx_recv is not None or qp.rx_imm_pending or qp.rx_rnr
-            or qp.state not in RECEIVING or qp.recv_cq.overrun or getattr(pl.link, "multipath", False)):
+            or qp.state not in RECEIVING or qp.recv_cq.overrun or pl.link.multipath):
         return 0
     rq = qp.recv_ring
     cq = qp.recv_cq.ring

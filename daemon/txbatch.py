@@ -119,7 +119,7 @@ class TxBatch:
             avail = sq.available()
         except shm.RingError:
             return _NONE  # the per-WQE path reports it
-        if avail < 2 or room < 2 or getattr(pl, "multipath", False) or getattr(pl.link, "multipath", False):
+        if avail < 2 or room < 2 or pl.link.multipath:  # several paths: the general path
             return _NONE
         buf = sq.buf
         at = sq.slot_offset()
