@@ -80,10 +80,25 @@ class CompletionQueue:
         _CQE.pack_into(r.buf, r.next_slot_offset(), wr_id, status, opcode, vendor_err, byte_len & _U32, imm_data,
                        qp_num, src_qp, wc_flags)
         r.push()
+        self._publish(solicited or status != 0)
+        return True
+
+    def pushed(self, count: int) -> None:
+        """``count`` successful, unsolicited CQEs were written after the
+        producer index (by the compiled Send batch, within ``ring.free()``):
+        publish them and wake a waiter as ``push`` does."""
+        r = self.ring
+        r.prod = (r.prod + count) & _U32
+        self._publish(False)
+
+    def _publish(self, wakes: bool) -> None:
+        """Publish the producer index; wake a waiter if the CQ is armed for
+        what was pushed (``wakes``: a solicited or error completion)."""
+        r = self.ring
         r.publish()
         shm.full_fence()  # the CQE must be visible before we read ``armed`` (the app does the mirror)
         hdr = r.hdr
-        if hdr.armed and (solicited or status or not hdr.solicited_only):
+        if hdr.armed and (wakes or not hdr.solicited_only):
             # Armed by req_notify: one event, then disarmed (verbs semantics).
             hdr.armed = 0
             if self.channel is not None:
@@ -91,7 +106,6 @@ class CompletionQueue:
                 _signal(self.channel.eventfd)
             else:
                 _signal(self.eventfd)
-        return True
 
     def close(self) -> None:
         self.fd = release_segment(self.fd, self.mm, self.ring)

@@ -370,12 +370,15 @@ class PeerLink:
         t = lane.segments
         t.prefix, t.off_at, t.off_len, t.off = segment.UNTAGGED_PREFIX_LEN, segment.MO_AT, 4, mo
         t.tail_len = 0 if flow_ack is None else envelope.pack_flow_ack_into(lane.tail, 0, flow_ack)
-        return self._send_segments(src, start, count, last_len, ends, segment.UNTAGGED_PREFIX_LEN + seg)
+        # A Send completes on the peer's Modified ACK, which carries the
+        # link's ACK too: its segments ask for no ACK at once (as queued one by one).
+        return self._send_segments(src, start, count, last_len, ends, segment.UNTAGGED_PREFIX_LEN + seg, False)
 
-    def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool, stride: int) -> int:
+    def _send_segments(self, src: memoryview, start: int, count: int, last_len: int, ends: bool, stride: int,
+                       ack_now: bool = True) -> int:
         """The bodies of the segments whose headers the send lane holds,
         ``stride`` bytes each but the last, queued on the link (or, a
-        ping-pong's whole message, sent at once)."""
+        ping-pong's whole message, sent at once; ``ack_now`` as for ``Link.send``)."""
         host = self.host
         lane = host.tx_lane
         ffi = lane.ffi
@@ -406,7 +409,7 @@ class PeerLink:
                 if host.udp.refused:
                     self._refused()  # after the bookkeeping: the link's state is as framed until then
                 return n
-        return link.send_run(buf, stride, count, last_body, built=prefix) + count - 1
+        return link.send_run(buf, stride, count, last_body, built=prefix, ack_now=ack_now) + count - 1
 
     def _send_burst_now(self, burst: Burst) -> None:
         """Send a run framed alone (``Link.frame_run_alone``) and hand the CPU over."""

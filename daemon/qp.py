@@ -42,11 +42,12 @@ from .peer import PeerLink
 from .ports import QPHost
 from .requester import Requester
 from .responder import Responder
+from .txbatch import TxBatch
 
 log = logging.getLogger("udpverbs.daemon")
 
 
-class QueuePair(Requester, Responder, Completer):
+class QueuePair(Requester, TxBatch, Responder, Completer):
     """One RC queue pair: rings, attributes, state, and the RDMAP engine."""
 
     def __init__(self, device: QPHost, qpn: int, session: Any, pd: tables.ProtectionDomain,
@@ -82,6 +83,7 @@ class QueuePair(Requester, Responder, Completer):
         # receiver-not-ready NACKs over the QP's life (the tools show them)
         self.rnr_nacks_received = 0
         self.rnr_nacks_sent = 0
+        self._txb = None  # the batch take's scratch (txbatch.py), made on first use
         self.reset_requester()
         self.reset_responder()
 

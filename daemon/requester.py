@@ -472,6 +472,14 @@ class Requester:
                 break  # Modified ACK/NACK: nothing new until the NACKed message is accepted
             s = self.sending
             if s is None:
+                if lane and start:
+                    # a stream's small messages that are alike: all in one call
+                    k, segments = self.take_batch(link, FLUSH_EVERY - taken, min(budget - sent,
+                                                                                 link.link.send_space()))
+                    if k:
+                        sent += segments
+                        taken += k
+                        continue
                 queued = self.start_next() if start else -1
                 if queued < 0:
                     break

@@ -49,6 +49,7 @@ from .opcodes import (
 )
 from .peer import PeerLink
 from .records import PendingRead
+from .rxsends import SendBatch, more_sends
 from .udp import RX_BUF
 
 # The lane's control bytes: (DDP control of a segment that is not the last,
@@ -80,6 +81,7 @@ WHOLE_MAX = 64
 _SEGMENT_AT = wire_link.HEADER_LEN + envelope.ENVELOPE_LEN
 _CRC_LEN = wire_link.CRC_LEN
 _TN = tuple.__new__  # a NamedTuple built without its Python __new__ (see rdmap)
+OP_SEND = int(Opcode.SEND)
 
 
 class RunSetup(NamedTuple):
@@ -134,6 +136,7 @@ class ReceiveLane:
         self.run = ffi.new("udpv_rx_run *")
         self.recv = ffi.new("udpv_rx_recv *")  # the armed read's socket and source (Receiver.read_armed)
         self.buf = ffi.new("uint8_t[]", RX_BUF)
+        self.sends = SendBatch(native)  # (rxsends.py)
         # the lane's memory for whole requests and Atomic Responses: none
         # (the QP reads them in the datagram)
         self.no_mem = ffi.cast("uint8_t *", 0)
@@ -367,6 +370,11 @@ class ReceiveLane:
         used = k * seg
         if used >= end - off:
             return end - off
+        if k and data is not None and setup.op == OP_SEND and self.run.ended:
+            # the Sends after it, if they are alike: in one call
+            used += more_sends(self.sends, pl, setup.qp, self.stats, data, off + used, end, seg, now, arrived)
+            if used >= end - off:
+                return end - off
         if self.run.peeked and self._write_rehint(pl):
             # The next message is another QP's or region's Write (Writes
             # over many QPs interleave): the lane takes it too, instead of

@@ -70,8 +70,8 @@ def test_layer_imports_only_downward(layer: str, path: Path) -> None:
 DAEMON_ORDER = [
     "heap", "tables", "quota", "clusterkey", "paths", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
     "peer",
-    "completer", "responder", "requester", "qp",
-    "scheduler", "rxlane", "receive", "loop", "device", "status", "metrics",
+    "completer", "responder", "requester", "txbatch", "qp",
+    "scheduler", "rxsends", "rxlane", "receive", "loop", "device", "status", "metrics",
     "qlock", "gbarrier", "groups",
     "control", "server", "cm", "__main__",
 ]

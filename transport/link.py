@@ -553,12 +553,12 @@ class Link(Handshake, PathProbing, Timers, Paths, Builder):
         return n
 
     def send_run(self, buf: bytearray | memoryview, stride: int, count: int, last_len: int, ack_carrier: bool = True,
-                 built: int = 0) -> int:
+                 built: int = 0, ack_now: bool = True) -> int:
         """Queue ``count`` messages held in ``buf``, ``stride`` bytes long, the
         last ``last_len``, each in the place its packet will have
         (:func:`run_slots`); return the first one's number.
 
-        As :meth:`send` for each (``ack_carrier`` too), but the link keeps
+        As :meth:`send` for each (``ack_carrier`` and ``ack_now`` too), but the link keeps
         ``buf`` itself (the caller must not change the messages) and, with a
         framer, writes the packets' headers and CRCs around them in one
         compiled call when they leave in order, and sends that part of
@@ -581,7 +581,8 @@ class Link(Handshake, PathProbing, Timers, Paths, Builder):
         n0 = self._next_n
         self.recovery.add_run(n0, count, memoryview(buf), stride, last_len, *run_slots(stride))
         self._next_n = n0 + count
-        self._want_ack_now = True
+        if ack_now:
+            self._want_ack_now = True
         if not ack_carrier:
             self._poor_carrier = True
         if self._framer is not None:

@@ -57,6 +57,15 @@ caller armed it for, the lane over it with a run the daemon set up before
 the datagram came (``ReceiveLane.arm``).  Whatever it does not take stays in
 the buffer for the Python path, with its source.
 
+The batches (``_native_batch.c``, compiled with it) take a stream's small
+messages as one: ``udpv_tx_take_small`` takes the next WQEs of an SQ that
+are alike and builds their segments into run slots, as ``udpv_tx_bodies``
+does one message's (``daemon/txbatch.py``); ``udpv_rx_send_batch`` runs
+the receive lane over a buffer of one-segment Sends, one message a call,
+each into the next posted receive, and writes their CQEs
+(``daemon/rxsends.py``).  Both stop at the first item that is not like
+the others, and Python takes it.
+
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
 idle QPs have new WQEs, comparing producer and consumer index in each SQ's
 header in one call instead of one Python step per QP (``daemon/scheduler.py``,
@@ -160,9 +169,45 @@ long udpv_rx_recv_run(udpv_rx_recv *a, udpv_rx_run *r, uint8_t *buf, size_t cap,
 
 size_t udpv_rings_moved(const volatile uint32_t *const *hdr, const uint8_t *watched, size_t n, size_t cons_word,
                         uint32_t *out);
+
+typedef struct {
+    const uint8_t *slots;
+    uint32_t cons, mask, entry_size, sg_at, avail;
+    uint32_t opcode, flags_ok, inline_flag, signaled_flag, sig_all, max_inline;
+    uint32_t lkey;
+    uint64_t addr, len;
+    uint8_t hdr[32];
+    uint8_t more[32];
+    uint32_t prefix, seg, untagged, msn;
+    uint32_t length;
+    uint64_t *wr_id;
+    uint64_t *raddr;
+    uint32_t *rkey;
+    uint64_t *src_off;
+    uint8_t *signaled;
+} udpv_tx_take;
+
+size_t udpv_tx_take_small(udpv_tx_take *t, const uint8_t *mem, uint8_t *out, size_t max, size_t spacing);
+
+typedef struct {
+    const uint8_t *rq;
+    uint32_t rq_cons, rq_mask, rq_entry_size, rq_sg_at, rq_avail;
+    uint32_t lkey;
+    uint64_t addr, len;
+    uint8_t *cq;
+    uint32_t cq_prod, cq_mask, cq_entry_size, cq_room;
+    uint32_t qp_num, src_qp, wc_recv;
+    uint32_t ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or;
+    uint32_t flow_ack, flow_ack_msn;
+} udpv_rx_sends;
+
+size_t udpv_rx_send_batch(udpv_rx_sends *s, udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg,
+                          uint8_t *mem);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")
+#: compiled after ``_native.c``, in the same unit (it uses that file's helpers)
+_BATCH_SOURCE = _SOURCE.with_name("_native_batch.c")
 _loaded: ModuleType | None = None
 _tried = False
 
@@ -195,7 +240,7 @@ def build(target_dir: pathlib.Path) -> pathlib.Path:
     """
     import cffi
 
-    source = _SOURCE.read_text()
+    source = _SOURCE.read_text() + _BATCH_SOURCE.read_text()
     name = _module_name(source)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     final = target_dir / (name + suffix)

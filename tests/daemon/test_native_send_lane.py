@@ -25,7 +25,7 @@ from udpverbs.wire.shm import QPState as S, WcStatus as W, WrOpcode
 from udpverbs.bench.inprocess import MR_LEN, Host
 from udpverbs.daemon.policy import IN_PASS_ORDER
 
-from .twins import link_state, mangle, receive_all, turn, twins
+from .twins import carry, link_state, turn, twins
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -85,11 +85,8 @@ def _exchange(seed: int, writes: list[list[tuple[int, int]]], reads: list[int], 
         held += out_f
         if rng.random() < 0.3:
             continue
-        receive_all(peer, pp, mangle(held, rng, loss, 0.7), clock[0])
+        carry(peer, pp, held, ((fast, pf), (slow, ps)), rng, loss, clock[0])
         held = []
-        back = mangle(turn(peer, pp, clock[0], peer.dev.clock), rng, loss, 0.0)
-        receive_all(fast, pf, back, clock[0])
-        receive_all(slow, ps, back, clock[0])
         done_f += fast.completions()
         done_s += slow.completions()
         done_p += peer.completions()

@@ -100,6 +100,17 @@ def turn(host: Host, pl: object, now: float, clock: object = None) -> list[bytes
     return sent + link.datagrams_to_send(now, clock)
 
 
+def carry(peer: Host, pp: Any, held: list[bytes], twins: tuple[tuple[Host, Any], tuple[Host, Any]],
+          rng: random.Random, loss: float, now: float) -> None:
+    """One round of the network: ``held`` (what the twins sent) reaches
+    ``peer`` (its link ``pp``), mangled, and what the peer then sends
+    reaches both twins (each ``(host, its link)``) alike."""
+    receive_all(peer, pp, mangle(held, rng, loss, 0.7), now)
+    back = mangle(turn(peer, pp, now, peer.dev.clock), rng, loss, 0.0)
+    for host, pl in twins:
+        receive_all(host, pl, back, now)
+
+
 def link_state(pl: object) -> tuple[object, ...]:
     link = pl.link  # type: ignore[attr-defined]
     return (link.rcv_nxt, link.peer_rwnd, link.last_ack_field, link.last_rx_ts, link.receiver.ack_now, link.receiver.ack_count,
