@@ -475,9 +475,10 @@ class Context(Resource):
         return self._dead or bool(self._page.device_fatal)
 
     # -- used by QPs after posting ---------------------------------------------------
-    def ring_doorbell(self) -> None:
-        """Wake the daemon if it sleeps (it set need_wakeup)."""
-        shm.full_fence()  # the producer index store must be visible before we read the flag
+    def ring_doorbell(self, fenced: bool = False) -> None:
+        """Wake the daemon if it sleeps (it set need_wakeup); ``fenced``: the caller fenced its stores already."""
+        if not fenced:
+            shm.full_fence()  # the producer index store must be visible before we read the flag
         if self._page.need_wakeup:
             os.eventfd_write(self.doorbell_fd, 1)
 

@@ -27,7 +27,8 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from ..wire import ctl, shm
@@ -36,6 +37,7 @@ from ..wire.shm import QPAttrMask as M, QPState as S, SendFlags
 from .cq import CQ
 from .device import GID, Resource, _close_all
 from .errors import UserError, VerbsError
+from .fastpath import load as _load_fastpath
 from .pd import PD
 
 _U32 = 0xFFFFFFFF
@@ -44,6 +46,8 @@ _U64 = 0xFFFFFFFFFFFFFFFF
 # (~1 µs), and naming an enum member is a class attribute lookup each time.
 _SEND_INLINE = int(SendFlags.IBV_SEND_INLINE)
 _NOT_SENDABLE = frozenset({S.IBV_QPS_RESET, S.IBV_QPS_INIT, S.IBV_QPS_RTR})
+#: the compiled writer of post lists, or None (the Python path alone)
+_fast = _load_fastpath()
 
 
 class QPCap:
@@ -286,6 +290,61 @@ def _inline_data(sg: list[Any], n: int) -> bytes:
     return b"".join(bytes(shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)) for s in sg[:n])
 
 
+def _write_send_wqe(buf: memoryview, off: int, wr: SendWR, n: int, cap: QPCap) -> None:
+    """Write send WR ``wr`` (of ``n`` SGEs, checked against the list) into the slot at ``buf[off:]``."""
+    inline = int(wr.send_flags) & _SEND_INLINE
+    if inline:
+        s = wr.sg[0] if n == 1 else None
+        if s is not None and s.length >= 0 and s.addr >= 0:
+            # perftest's case: copied once, from the buffer into the slot
+            data = shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)
+        else:
+            data = _inline_data(wr.sg, n)
+        num_sge, inline_len = 0, len(data)
+    else:
+        num_sge, inline_len = n, 0
+    try:
+        shm.SEND_WQE_HEAD.pack_into(buf, off, wr.wr_id & _U64, wr.remote_addr, wr.opcode, wr.send_flags, num_sge,
+                                    wr.imm_data & _U32, wr.rkey, inline_len, wr.compare_add & _U64, wr.swap & _U64)
+    except struct.error as err:
+        # the masked fields always fit (an atomic's operands are two's complement): one of these did not
+        _refuse("post_send", (("remote_addr", wr.remote_addr), ("rkey", wr.rkey), ("opcode", wr.opcode),
+                              ("send_flags", wr.send_flags), ("num_sge", num_sge)), err)
+    off += shm.SEND_WQE_SG_OFFSET
+    if inline:
+        if inline_len > cap.max_inline_data:
+            raise VerbsError(f"{inline_len} inline bytes > max_inline_data {cap.max_inline_data}", errno.EINVAL)
+        buf[off:off + inline_len] = data
+    else:
+        if n > cap.max_send_sge:
+            raise VerbsError(f"num_sge {n} > max_send_sge {cap.max_send_sge}", errno.EINVAL)
+        _pack_sges("post_send", buf, off, wr.sg, n)
+
+
+def _wr_list(first: Any, rest: Any = None) -> Iterator[Any]:
+    """The WRs of a post list: of a list or tuple ``first`` from index
+    ``rest`` (0 if None), else of the chain (``next_wr``) from WR ``rest``
+    (``first`` if None)."""
+    if isinstance(first, (list, tuple)):
+        return itertools.islice(first, rest or 0, None)
+    return _chain(first if rest is None else rest)
+
+
+def _chain(wr: Any) -> Iterator[Any]:
+    while wr is not None:
+        yield wr
+        wr = wr.next_wr
+
+
+def _report_bad(err: Exception, wr: Any, bad_wr: Any) -> None:
+    """Name ``wr`` as the WR that failed: ``err.bad_wr`` is ``wr`` (as
+    ``ibv_post_send``'s ``bad_wr`` points at it), and ``bad_wr``, if given,
+    gets a copy of its fields (as pyverbs' ``post_send(wr, bad_wr)``)."""
+    err.bad_wr = wr  # type: ignore[attr-defined]
+    if bad_wr is not None and wr is not None:
+        bad_wr.__dict__.update(vars(wr))
+
+
 def post_recv_ring(ctx: Any, rq: shm.Ring, lock: threading.Lock, wr: RecvWR | None, max_sge: int) -> None:
     """Write a chain of receive WRs into ``rq`` (a QP's RQ or an SRQ), holding
     ``lock`` (the ring's), and ring the doorbell once."""
@@ -327,6 +386,9 @@ class QP(Resource):
 
     With ``qp_attr`` the QP is moved to INIT at once, as pyverbs does.
     """
+
+    #: what the compiled writer needs to know of the SQ, besides its producer index (made on the first post)
+    _sq_args: tuple[int, ...] | None = None
 
     def __init__(self, pd: PD, init_attr: QPInitAttr, qp_attr: QPAttr | None = None) -> None:
         super().__init__()
@@ -425,8 +487,14 @@ class QP(Resource):
                     | M.IBV_QP_RNR_RETRY | M.IBV_QP_MAX_QP_RD_ATOMIC)
 
     # -- data path --------------------------------------------------------------------
-    def post_send(self, wr: SendWR, bad_wr: Any = None) -> None:
-        """Post a chain of send WRs (``wr.next_wr``).  Never blocks.
+    def post_send(self, wr: SendWR | Sequence[SendWR], bad_wr: SendWR | None = None) -> None:
+        """Post a list of send WRs: a chain (``wr.next_wr``), or a list of them.  Never blocks.
+
+        All of them go into the send queue in one call, which publishes them
+        and rings the doorbell once.  The first WR that fails raises, with
+        the WRs before it posted and the rest not (``ibv_post_send``): the
+        exception's ``bad_wr`` is that WR, and a ``bad_wr`` argument gets a
+        copy of its fields, as in pyverbs.
 
         Raises:
             VerbsError: EINVAL (QP not ready to send, too many SGEs, inline
@@ -438,61 +506,53 @@ class QP(Resource):
         self._check_open()
         if self.qp_state in _NOT_SENDABLE:
             raise VerbsError(f"post_send on a QP in {S(self.qp_state).name}", errno.EINVAL)
-        if self.ctx._dead:
-            self.ctx._check_alive("post_send")
+        ctx = self.ctx
+        if ctx._dead:
+            ctx._check_alive("post_send")
         sq = self._sq
-        buf = sq.buf
-        head, sg_offset = shm.SEND_WQE_HEAD, shm.SEND_WQE_SG_OFFSET
-        cap = self.cap
-        posted = 0
         lock = self._sq_lock
         lock.acquire()
         try:
-            while wr is not None:
+            if _fast is None:
+                return self._post_sends(_wr_list(wr), bad_wr)
+            args = self._sq_args
+            if args is None:
+                cap = self.cap
+                args = self._sq_args = (sq.hdr_addr, sq.slots_addr, sq.mask, sq.entries, cap.max_send_sge,
+                                        cap.max_inline_data, _SEND_INLINE)
+            # every WR the compiled writer is sure of, written, published and fenced
+            posted, rest = _fast.post_send(wr, sq.prod, args)
+            if posted:
+                sq.push(posted)
+                ctx.ring_doorbell(fenced=True)
+            if rest is not None:
+                self._post_sends(_wr_list(wr, rest), bad_wr)  # the first it was not sure of, and the rest
+        finally:
+            lock.release()
+
+    def _post_sends(self, wrs: Iterable[SendWR], bad_wr: SendWR | None) -> None:
+        """The Python path of ``post_send``, holding the SQ's lock."""
+        sq = self._sq
+        posted = 0
+        wr = None
+        try:
+            for wr in wrs:
                 n = wr.num_sge
                 if n > len(wr.sg):
                     raise UserError(f"num_sge={n} but {len(wr.sg)} SGEs given")
                 if sq.free() == 0:
                     self.ctx._check_alive("post_send")  # a daemon that is gone takes nothing from the ring
                     raise VerbsError("send queue full", errno.ENOMEM)
-                off = sq.next_slot_offset()
-                inline = int(wr.send_flags) & _SEND_INLINE
-                if inline:
-                    s = wr.sg[0] if n == 1 else None
-                    if s is not None and s.length >= 0 and s.addr >= 0:
-                        # perftest's case: copied once, from the buffer into the slot
-                        data = shm.ffi.buffer(shm.ffi.cast("char *", s.addr), s.length)
-                    else:
-                        data = _inline_data(wr.sg, n)
-                    num_sge, inline_len = 0, len(data)
-                else:
-                    num_sge, inline_len = n, 0
-                try:
-                    head.pack_into(buf, off, wr.wr_id & _U64, wr.remote_addr, wr.opcode, wr.send_flags,
-                                   num_sge, wr.imm_data & _U32, wr.rkey, inline_len, wr.compare_add & _U64,
-                                   wr.swap & _U64)
-                except struct.error as err:
-                    # the masked fields always fit (an atomic's operands are two's complement): one of these did not
-                    _refuse("post_send", (("remote_addr", wr.remote_addr), ("rkey", wr.rkey), ("opcode", wr.opcode),
-                                          ("send_flags", wr.send_flags), ("num_sge", num_sge)), err)
-                off += sg_offset
-                if inline:
-                    if inline_len > cap.max_inline_data:
-                        raise VerbsError(f"{inline_len} inline bytes > max_inline_data {cap.max_inline_data}",
-                                         errno.EINVAL)
-                    buf[off:off + inline_len] = data
-                else:
-                    if n > cap.max_send_sge:
-                        raise VerbsError(f"num_sge {n} > max_send_sge {cap.max_send_sge}", errno.EINVAL)
-                    _pack_sges("post_send", buf, off, wr.sg, n)
+                _write_send_wqe(sq.buf, sq.next_slot_offset(), wr, n, self.cap)
                 sq.push()
                 posted += 1
-                wr = wr.next_wr
+        except (VerbsError, UserError) as e:
+            _report_bad(e, wr, bad_wr)
+            raise
         finally:
             if posted:
                 sq.publish()
                 self.ctx.ring_doorbell()
-            lock.release()
 
     def post_recv(self, wr: RecvWR, bad_wr: Any = None) -> None:
         """Post a chain of receive WRs.  Never blocks.

@@ -475,7 +475,7 @@ class Ring:
     """
 
     __slots__ = ("_base", "buf", "hdr", "entries", "mask", "entry_size", "_slots", "_slots_offset", "_ctype_ptr",
-                 "prod", "cons")
+                 "prod", "cons", "hdr_addr", "slots_addr")
 
     def __init__(self, buf: Any, offset: int, ctype: str, entries: int, *, init: bool = False) -> None:
         if entries <= 0 or entries & (entries - 1):
@@ -492,6 +492,9 @@ class Ring:
         self._ctype_ptr = ctype + " *"
         self._slots_offset = offset + RING_HDR_SIZE
         self._slots = ffi.cast(self._ctype_ptr, self._base + self._slots_offset)
+        # for compiled code that fills or drains many slots in one call
+        self.hdr_addr = int(ffi.cast("uintptr_t", self.hdr))
+        self.slots_addr = int(ffi.cast("uintptr_t", self._slots))
         if init:
             self.hdr.entries = entries
             self.hdr.entry_size = self.entry_size
@@ -514,9 +517,9 @@ class Ring:
         """Byte offset in ``buf`` of the slot ``next_slot`` returns."""
         return self._slots_offset + (self.prod & self.mask) * self.entry_size
 
-    def push(self) -> None:
-        """Advance the private producer index past the slot just filled."""
-        self.prod = (self.prod + 1) & _U32
+    def push(self, n: int = 1) -> None:
+        """Advance the private producer index past the ``n`` slots just filled."""
+        self.prod = (self.prod + n) & _U32
 
     def publish(self) -> None:
         """Write the producer index to shared memory (after the slots)."""
@@ -547,6 +550,7 @@ class Ring:
         """Drop the buffer exports (cffi's and ``buf``) so the underlying mmap can be closed."""
         ffi.release(self._base)
         self.buf.release()
+        self.hdr_addr = self.slots_addr = 0  # compiled code must not reach an unmapped ring
 
 
 def new_segment(size: int, name: str) -> tuple[int, mmap.mmap]:

@@ -45,7 +45,7 @@ def _switching_often() -> Iterator[None]:
 
 class _Yielding:
     """A ring (``wire.shm.Ring``) that lets another thread run in the middle
-    of each post or poll, right after the slot is chosen: a short sleep
+    of each post or poll, right after the slot is chosen (or filled, or read): a short sleep
     drops the GIL there for long enough that a waiting thread takes it, where
     a thread switch would otherwise fall only now and then.  Everything else
     is the ring's own."""
@@ -65,6 +65,16 @@ class _Yielding:
         off = self._ring.slot_offset(i)
         time.sleep(YIELD_S)
         return off
+
+    # The compiled post and poll fill or read their slots in one call: the
+    # window is between that and moving the ring's private index.
+    def push(self, n: int = 1) -> None:
+        time.sleep(YIELD_S)
+        self._ring.push(n)
+
+    def pop(self, n: int = 1) -> None:
+        time.sleep(YIELD_S)
+        self._ring.pop(n)
 
 
 def _run_threads(targets: list[Callable[[], None]], timeout_s: float = 60.0) -> None:

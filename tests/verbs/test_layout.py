@@ -177,7 +177,7 @@ class _Ctx:
     def _check_alive(self, what: str) -> None:
         pass
 
-    def ring_doorbell(self) -> None:
+    def ring_doorbell(self, fenced: bool = False) -> None:
         self.doorbells += 1
 
 
@@ -205,6 +205,17 @@ class _Rings:
         self.cq._ring = shm.Ring(cbuf, 0, "struct uv_cqe", entries)
         self.cq._lock = threading.Lock()
         self.cqr = shm.Ring(cbuf, 0, "struct uv_cqe", entries, init=True)
+
+    def complete(self, cqes: list[tuple[int, ...]], skip: int) -> None:
+        """Write ``cqes`` (values in ``shm.CQE_FIELDS`` order) as the daemon does, from slot ``skip`` on."""
+        self.cqr.prod = self.cq._ring.cons = skip  # somewhere other than slot 0
+        self.cqr.publish()
+        for c in cqes:
+            e = self.cqr.next_slot()
+            for f, v in zip(shm.CQE_FIELDS, c):
+                setattr(e, f, v)
+            self.cqr.push()
+        self.cqr.publish()
 
 
 def _sgl(e: Any) -> list[tuple[int, int, int]]:
@@ -328,14 +339,7 @@ def test_post_recv_errors_are_unchanged() -> None:
 @given(st.lists(st.tuples(*[u64] + [u32] * 8), min_size=1, max_size=8), st.integers(0, 8), st.integers(1, 9))
 def test_poll_returns_what_the_daemon_wrote(cqes: list[tuple[int, ...]], skip: int, batch: int) -> None:
     r = _Rings()
-    r.cqr.prod = r.cq._ring.cons = skip  # somewhere other than slot 0
-    r.cqr.publish()
-    for c in cqes:
-        e = r.cqr.next_slot()
-        for f, v in zip(shm.CQE_FIELDS, c):
-            setattr(e, f, v)
-        r.cqr.push()
-    r.cqr.publish()
+    r.complete(cqes, skip)
     got: list[tuple[int, ...]] = []
     while len(got) < len(cqes):
         n, wcs = r.cq.poll(batch)
