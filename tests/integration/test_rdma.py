@@ -77,17 +77,28 @@ def test_write_then_read_back_byte_exact(daemons, size: int) -> None:
         b.close()
 
 
-def test_unsignaled_and_pipelined(pair) -> None:
+@pytest.mark.parametrize("posting", ["one_by_one", "list", "chain"])
+def test_unsignaled_and_pipelined(pair, posting: str) -> None:
     a, b = pair
     rng = random.Random(5)
     blobs = [rng.randbytes(3000) for _ in range(20)]
     for i, blob in enumerate(blobs):
         a.mr.write(blob, len(blob), i * 4000)
+    wrs = []
     for i in range(20):
         wr = verbs.SendWR(wr_id=i, opcode=IBV_WR_RDMA_WRITE, sg=[verbs.SGE(a.mr.buf + i * 4000, 3000, a.mr.lkey)],
                           send_flags=IBV_SEND_SIGNALED if i == 19 else 0)
         wr.set_wr_rdma(b.mr.rkey, b.mr.buf + i * 4000)
-        a.qp.post_send(wr)
+        wrs.append(wr)
+    if posting == "one_by_one":
+        for wr in wrs:
+            a.qp.post_send(wr)
+    elif posting == "list":  # a post list: one call, one doorbell
+        a.qp.post_send(wrs)
+    else:
+        for w, nxt in zip(wrs, wrs[1:]):
+            w.next_wr = nxt
+        a.qp.post_send(wrs[0])
     (wc,) = a.cq.poll_blocking(1, timeout=10)
     assert (wc.wr_id, wc.status) == (19, IBV_WC_SUCCESS)
     assert a.cq.poll(10) == (0, [])  # unsignaled successes leave no CQE
