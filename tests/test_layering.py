@@ -128,3 +128,13 @@ def test_transport_imports_only_earlier_modules(path: Path) -> None:
         assert parts[2] in TRANSPORT_ORDER, f"{path}:{line} imports {name}, not in TRANSPORT_ORDER"
         assert TRANSPORT_ORDER.index(parts[2]) < TRANSPORT_ORDER.index(me), \
             f"{path}:{line}: {me} imports {parts[2]}, which comes after it in TRANSPORT_ORDER"
+
+
+def test_every_c_source_is_package_data() -> None:
+    # the compiled lanes are built from these on the user's machine: a wheel without one has no fast path
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    listed = {f"{pkg.removeprefix('udpverbs.')}/{name}" for pkg, names in data.items() for name in names}
+    sources = {str(p.relative_to(ROOT)) for layer in ("wire", "transport", "daemon", "verbs") for p in (ROOT / layer).glob("*.c")}
+    assert sources and sources <= listed, sorted(sources - listed)
