@@ -15,6 +15,10 @@ no SACK blocks: ``run_receivable``) as runs through
 daemon does.  Both must deliver the same messages, answer with the same
 bytes, and hold the same state but for how many times the same RTT
 sample was heard (once per run, not once per packet).
+
+In the simulator (the issue's 10 and 2.5 Gb/s paths, one lossy, the fast
+one cut for a while), a stream of runs puts the same datagrams on the
+wire at the same times whether the framer frames them or not.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from udpverbs.transport.builder import Burst, one_per_datagram
-from udpverbs.transport.link import Link, LinkConfig, run_slots
+from udpverbs.transport.link import Link, LinkConfig, LinkState, run_slots
+from udpverbs.transport.netsim import Impairments, PathSpec, Simulator, multipath, set_path_up
 from udpverbs.wire import link as wl
 from udpverbs.wire import native
 from udpverbs.wire.errors import WireError
 
 from .test_link_alone import _state
 from .test_link_timers import D, establish
+from .test_multipath import FAST, JUMBO, SIM as MP_SIM, SLOW
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: runs are framed in Python")
 
@@ -280,3 +286,57 @@ def test_a_stream_over_two_paths_is_framed_and_taken_in_runs_on_both() -> None:
     assert a.stats.datagrams_sent == sum(s.datagrams_sent for s in a.path_stats(t))
     assert b.stats.datagrams_received == sum(s.datagrams_received for s in b.path_stats(t))
     assert sum(s.bytes_received for s in b.path_stats(t)) == sum(s.bytes_sent for s in a.path_stats(t))
+
+
+# --- the simulator -------------------------------------------------------------
+
+
+def _simulated(framer: Any, seed: int, specs: list[Any], cut_at: float | None) -> tuple[list[Any], list[bytes], int]:
+    """A stream of runs (``send_run``) over ``specs`` in the simulator, the
+    first path cut from ``cut_at`` to 5 ms later: every datagram on the
+    wire (time, channel, bytes), what b received, and how many were framed."""
+    rng = random.Random(seed)
+    sim = Simulator(rng)
+    la = Link(MP_SIM, rng=random.Random(rng.getrandbits(64)), incarnation=1, framer=framer)
+    lb = Link(MP_SIM, rng=random.Random(rng.getrandbits(64)), incarnation=2, framer=framer)
+    trace: list[Any] = []
+    a, b, nets = multipath(sim, la, lb, specs, trace=trace)
+    data = random.Random(seed).randbytes(2000 * JUMBO)
+    queued = [0]
+
+    def top_up(_: Any) -> None:
+        while queued[0] < len(data) and la.state == LinkState.ESTABLISHED and la.send_space() >= 16:
+            part = data[queued[0]:queued[0] + 16 * JUMBO - 100]
+            count = -(-len(part) // JUMBO)
+            head, slot = run_slots(JUMBO)
+            buf = bytearray((count - 1) * slot + slot)
+            for i in range(count):
+                body = part[i * JUMBO:(i + 1) * JUMBO]
+                buf[head + i * slot:head + i * slot + len(body)] = body
+            la.send_run(buf, JUMBO, count, len(part) - (count - 1) * JUMBO)
+            queued[0] += len(part)
+            a.service()
+        if queued[0] < len(data):
+            sim.schedule(sim.now + 20e-6, top_up)
+
+    sim.schedule(0.0, lambda _: a.connect())
+    sim.schedule(0.0, top_up)
+    if cut_at is not None:
+        sim.schedule(cut_at, lambda _: set_path_up(nets, 0, False))
+        sim.schedule(cut_at + 5e-3, lambda _: set_path_up(nets, 0, True))
+    sim.run(2.0, stop=lambda: sum(len(m) for m in b.received) >= len(data))
+    assert b"".join(bytes(m) for m in b.received) == data
+    return trace, b.received, la.framed_datagrams
+
+
+@pytest.mark.parametrize("cut_at", [None, 3e-3], ids=["both-paths", "fast-path-cut"])
+def test_the_simulators_stream_of_runs_is_the_same_framed_or_not(cut_at: float | None) -> None:
+    # The issue's paths (10 and 2.5 Gb/s), one lossy: the framer changes no
+    # datagram and no time on the wire, and frames most of them.
+    lossy = PathSpec(SLOW.rate_Bps, SLOW.rtt_s, impairments=Impairments(loss=0.01))
+    specs = [FAST, lossy]
+    trace_py, got_py, framed_py = _simulated(None, 5, specs, cut_at)
+    trace_fr, got_fr, framed_fr = _simulated(native.load(), 5, specs, cut_at)
+    assert framed_py == 0 and framed_fr > len(trace_fr) // 3
+    assert [(t, ch, bytes(d)) for t, ch, d in trace_py] == [(t, ch, bytes(d)) for t, ch, d in trace_fr]
+    assert {ch for _, ch, _ in trace_fr} >= {"a>b0", "a>b1"}
