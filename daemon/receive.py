@@ -29,15 +29,15 @@ through it (:meth:`Receiver.read_armed`): one compiled call reads the
 datagram and places it.
 
 A device with several addresses (``paths.py``) has a socket for each; the
-pass reads the first as above, then each other one (:meth:`Receiver.read_more`).
+pass reads them together (:meth:`Receiver.read_paths`), the next buffer
+always from the socket whose first datagram comes next in its link's
+stream, so that a link's stretches on different paths come in order.
 The first socket and a peer's first address are each link's path 0, found
 by the peer's address as ever; every other (socket, peer address) pair is
-a path of its own, found in the path map, and what comes on it goes the
-Python path, datagram by datagram, with its path id.  (A link of several
-paths takes no run in the lane, ``Link.run_receivable``, so path 0 of such
-a link goes the Python path too; links of one path keep the lanes.)  A
-datagram on a pair the map does not know may open a path: the device
-decides (``Device._new_path``).
+a path of its own, found in the path map, and what comes on it is fed
+to its link as the first socket's is, runs to the lane, with its path id
+(``Link.data_run_received(..., path=p)``).  A datagram on a pair the map
+does not know may open a path: the device decides (``Device._new_path``).
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ _RX_READY = 2
 _LINK_ESTABLISHED = LinkState.ESTABLISHED
 #: a link packet's type byte (``wire/link.py``) for INIT, which opens a link
 _INIT = int(PacketType.INIT)
+_DATA = int(PacketType.DATA)
+#: what ``Receiver._head`` peeks at: a link header up to its sequence number
+_HEAD_LEN = 12
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
+_U32 = 0xFFFFFFFF
 
 
 class Receiver:
@@ -96,8 +101,8 @@ class Receiver:
         self.cm: Any = None  # the connection manager (set by it, through the device)
         self.groups: Any = None  # the process groups (likewise)
         #: the part of a GRO buffer a pass left for the next: (link, buffer,
-        #: offset, segment size, arrival time)
-        self.rest: tuple[PeerLink, bytes, int, int, float] | None = None
+        #: offset, segment size, arrival time, path)
+        self.rest: tuple[PeerLink, bytes, int, int, float, int] | None = None
         #: the link that last received, to arm the lane for; the links an
         #: armed read fed, for the pass's dispatch
         self.arm_link: PeerLink | None = None
@@ -132,12 +137,16 @@ class Receiver:
         got = self.read_armed(now) if lane is not None and lane.armed is not None \
             else _RX_READY if rx is None or rx.poll(0) else 0
         if not got:
-            return self.others is not None and self.read_more(now, set(), now - time.time())
+            return self.others is not None and self.read_paths(now, set(), now - time.time())
         touched = self.touched  # the armed read's link, if it read
         self.touched = set()
         # now - realtime: converts a kernel stamp to our clock (computed per
         # pass, so a step of the wall clock corrupts one pass at most)
         rt_to_now = now - time.time()
+        if self.others is not None:
+            # the rest from every socket, in stream order (unless the armed
+            # read left part of a buffer for the next pass)
+            return self.read_paths(now, touched, rt_to_now) if self.rest is None else self.dispatch_all(touched)
         # After the armed read, the loop asks the epoll first (and reads
         # nothing while that read left part of a buffer for the next pass).
         budget = RX_BUDGET if got == _RX_READY else 0 if self.rest is not None else RX_BUDGET - 1
@@ -158,8 +167,6 @@ class Receiver:
             self.received(addr, data, seg, now, arrived, touched)
             if self.rest is not None:
                 break  # the rest of that buffer first, next pass
-        if self.others is not None:
-            return self.read_more(now, touched, rt_to_now)
         return self.dispatch_all(touched)
 
     def dispatch_all(self, touched: set[PeerLink]) -> bool:
@@ -172,23 +179,71 @@ class Receiver:
                 self.dispatch(pl, msg)
         return True
 
-    def read_more(self, now: float, touched: set[PeerLink], rt_to_now: float) -> bool:
-        """Read the sockets beyond the first (each within the pass's
-        budgets, as the first), then dispatch what every link that received
-        in this pass delivered (``touched``); True if any link received."""
-        for index, udp in self.others:  # type: ignore[union-attr]
-            rx = udp.rx_epoll
-            budget, byte_budget = RX_BUDGET, RX_BYTE_BUDGET
-            while budget > 0 and byte_budget > 0 and (rx is None or rx.poll(0)):
-                buffer = udp.receive(now, rt_to_now)
-                if buffer is None:
-                    break
+    def read_paths(self, now: float, touched: set[PeerLink], rt_to_now: float) -> bool:
+        """With several sockets: read them all, together within the pass's
+        budgets, the next buffer always from the socket whose first datagram
+        comes first in its link's stream (``_head``), then dispatch what
+        every link that received in this pass delivered (``touched``); True
+        if any link received.
+
+        A link's paths carry stretches of one stream, each in order: read
+        socket by socket, a stretch that left after one on another path
+        would often come first, and a hole keeps every datagram behind it
+        out of the compiled lane (``Link.run_receivable``) until it closes."""
+        ports = dict(self.others)  # type: ignore[arg-type]
+        ports[0] = self.udp
+        budget, byte_budget = RX_BUDGET, RX_BYTE_BUDGET
+        heads = {}
+        for index, udp in ports.items():
+            key = self._head(index, udp)
+            if key is not None:
+                heads[index] = key
+        while heads and self.rest is None:
+            index = min(heads, key=heads.__getitem__)
+            udp = ports[index]
+            buffer = udp.receive(now, rt_to_now)
+            key = None
+            if buffer is not None:
                 data, addr, seg, arrived = buffer
                 budget -= 1 + (len(data) // seg if 0 < seg < len(data) else 0)
                 byte_budget -= len(data)
                 if seg > 0:
-                    self.received_on(index, addr, data, seg, now, arrived, touched)
+                    if index:
+                        self.received_on(index, addr, data, seg, now, arrived, touched)
+                    else:
+                        self.received(addr, data, seg, now, arrived, touched)
+                if budget <= 0 or byte_budget <= 0:
+                    break
+                key = self._head(index, udp)
+            if key is None:
+                del heads[index]
+            else:
+                heads[index] = key
         return self.dispatch_all(touched)
+
+    def _head(self, index: int, udp: UdpPort) -> int | None:
+        """How far ahead of its link's next expected message the first
+        datagram waiting on socket ``index`` lies (a peek; 0 for anything
+        but a link's DATA), or None if nothing waits."""
+        rx = udp.rx_epoll
+        if udp.sock is None or rx is not None and not rx.poll(0):
+            return None
+        try:
+            head, addr = udp.sock.recvfrom(_HEAD_LEN, _PEEK)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return 0  # (the read that follows counts it)
+        if len(head) < _HEAD_LEN or head[1] != _DATA:
+            return 0
+        pl = self.links.get(addr) if index == 0 else None
+        if pl is None:
+            found = self.paths.get(index, addr)
+            if found is None:
+                return 0
+            pl = found[0]
+        r = pl.link.receiver
+        return (int.from_bytes(head[8:12], "big") - r.peer_isn - r.rcv_nxt) & _U32
 
     def received_on(self, index: int, addr: tuple[str, int], data: bytes, seg: int, now: float, arrived: float,
                     touched: set[PeerLink]) -> None:
@@ -210,13 +265,7 @@ class Receiver:
             data = data[start:]
         pl, path = found
         pl.rx_bytes += len(data)
-        link = pl.link
-        if seg >= len(data):
-            link.datagram_received(data, now, arrived, path=path)
-        else:
-            view = memoryview(data)
-            for at in range(0, len(data), seg):
-                link.datagram_received(view[at:at + seg], now, arrived, path=path)
+        self.receive(pl, data, seg, now, arrived, 0, 0, path)
         touched.add(pl)
 
     def received(self, addr: tuple[str, int], data: bytes, seg: int, now: float, arrived: float,
@@ -314,23 +363,24 @@ class Receiver:
     def receive_rest(self, now: float) -> None:
         """Go on with the buffer an earlier pass left (``rest``), within the budget again."""
         assert self.rest is not None
-        pl, data, off, seg, arrived = self.rest
+        pl, data, off, seg, arrived, path = self.rest
         self.rest = None
         if self.lane is not None:
             self.lane.armed = None
         if self.links.get(pl.addr) is not pl:
             return  # the link went away in between: what it held goes with it
-        self.receive(pl, data, seg, now, arrived, off)
+        self.receive(pl, data, seg, now, arrived, off, 0, path)
         for msg in pl.link.drain_received():
             self.dispatch(pl, msg)
 
     def receive(self, pl: PeerLink, data: bytes, seg: int, now: float, arrived: float, off: int = 0,
-                spent: int = 0) -> None:
+                spent: int = 0, path: int = 0) -> None:
         """Feed one received buffer to ``pl``'s link from offset ``off``: a
         datagram, or (``seg`` < its length) datagrams of ``seg`` bytes
         coalesced by GRO; runs of them to the lane where it takes them.
-        ``spent``: requests of this buffer the armed read took already.
-        What the dispatch budget leaves is kept in ``rest``."""
+        ``spent``: requests of this buffer the armed read took already;
+        ``path``: the link's path it came on.  What the dispatch budget
+        leaves is kept in ``rest``."""
         link = pl.link
         n = len(data)
         # Without a hint, a GRO buffer still goes datagram by datagram where
@@ -338,15 +388,15 @@ class Receiver:
         # a Read's responses) sets the hint for the rest of the buffer.
         if n == 0 or pl.rx_hint is None and (seg >= n or self.lane is None):
             if seg >= n:
-                link.datagram_received(data, now, arrived)
+                link.datagram_received(data, now, arrived, path)
             else:
                 view = memoryview(data)
                 for at in range(off, n, seg):
-                    link.datagram_received(view[at:at + seg], now, arrived)
+                    link.datagram_received(view[at:at + seg], now, arrived, path)
             return
         budget = (self.dispatch_budget or n) - spent
         if spent and budget <= 0:
-            self.rest = (pl, data, off, seg, arrived)
+            self.rest = (pl, data, off, seg, arrived, path)
             return
         view = memoryview(data)
         lane = self.lane
@@ -355,7 +405,8 @@ class Receiver:
             if hint is not None:
                 # requests as many as the budget has left; anything else, no limit
                 answered = hint[2] in ANSWERED_BY_DAEMON
-                used = lane.place_run(pl, data, off, seg, now, arrived, budget if answered else WHOLE_MAX)  # type: ignore[union-attr]
+                limit = budget if answered else WHOLE_MAX
+                used = lane.place_run(pl, data, off, seg, now, arrived, limit, path)  # type: ignore[union-attr]
                 off += used
                 if off >= n:
                     break
@@ -367,16 +418,16 @@ class Receiver:
                     if answered:
                         budget -= -(-used // seg)
                         if budget <= 0:
-                            self.rest = (pl, data, off, seg, arrived)
+                            self.rest = (pl, data, off, seg, arrived, path)
                             return
                     continue
-            link.datagram_received(view[off:off + seg], now, arrived)
+            link.datagram_received(view[off:off + seg], now, arrived, path)
             off += seg
             for msg in link.drain_received():
                 self.dispatch(pl, msg)
             budget -= 1
             if not budget and off < n:
-                self.rest = (pl, data, off, seg, arrived)
+                self.rest = (pl, data, off, seg, arrived, path)
                 return
 
     # -- routing a delivered message ----------------------------------------------------

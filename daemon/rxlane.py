@@ -291,11 +291,12 @@ class ReceiveLane:
 
     # -- placing ----------------------------------------------------------------------
     def place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float,
-                  limit: int = WHOLE_MAX) -> int:
+                  limit: int = WHOLE_MAX, path: int = 0) -> int:
         """Place the run of RDMA Write (or Read Response, or Send) segments
         at ``data[off:]`` that the compiled lane accepts, or take the Read
         or atomic requests, or Atomic Responses, there (at most ``limit``);
-        return the bytes it consumed (0: none)."""
+        return the bytes it consumed (0: none).  ``path``: the link's path
+        the datagrams came on."""
         setup = self.setup(pl, limit)
         if setup is None:
             return 0
@@ -322,15 +323,16 @@ class ReceiveLane:
                 ffi.release(mem)
             ffi.release(buf)
         if more is not None:
-            return self.reads_responded(pl, qp, more, now, arrived) - off
-        return self.run_taken(pl, setup, k, data, off, len(data), seg, now, arrived)
+            return self.reads_responded(pl, qp, more, now, arrived, path, off) - off
+        return self.run_taken(pl, setup, k, data, off, len(data), seg, now, arrived, path)
 
     def run_taken(self, pl: PeerLink, setup: RunSetup, k: int, data: bytes | None, off: int, end: int,
-                  seg: int, now: float, arrived: float) -> int:
+                  seg: int, now: float, arrived: float, path: int = 0) -> int:
         """The lane took ``k`` datagrams at ``data[off:end]`` in the run
-        ``setup`` set: complete, answer and account for them; return the
-        bytes consumed (``data`` is read only for requests, Atomic
-        Responses and what follows the run: None when there is none)."""
+        ``setup`` set (arrived on ``path``): complete, answer and account
+        for them; return the bytes consumed (``data`` is read only for
+        requests, Atomic Responses and what follows the run: None when
+        there is none)."""
         if k:
             qp, op, _, _, recv, rd, request, msn = setup
             r = self.run
@@ -356,7 +358,8 @@ class ReceiveLane:
                 self.take_whole(qp, op, msn, data, off, seg, k)  # type: ignore[arg-type]
                 sched.complete_done(qp)
             pl.link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
-                                      r.last_ts, r.last_rwnd, r.flags_or, now, arrived)
+                                      r.last_ts, r.last_rwnd, r.flags_or, now, arrived, path,
+                                      min(k * seg, end - off))
             if sends:
                 if r.flow_ack:
                     qp.on_flow_ack(r.flow_ack_msn)
@@ -379,7 +382,8 @@ class ReceiveLane:
             # The next message is another QP's or region's Write (Writes
             # over many QPs interleave): the lane takes it too, instead of
             # the Python path taking its first segment to set the hint.
-            return used + self.place_run(pl, data, off + used, seg, now, arrived)  # type: ignore[arg-type]
+            return used + self.place_run(pl, data, off + used, seg, now, arrived,  # type: ignore[arg-type]
+                                         WHOLE_MAX, path)
         return used
 
     def _whole_taken(self, qp: Any, op: int, msn: int, data: bytes, off: int, end: int, seg: int, k: int) -> int:
@@ -460,11 +464,13 @@ class ReceiveLane:
             i += 1
         return calls
 
-    def reads_responded(self, pl: PeerLink, qp: Any, calls: list[LaneCall], now: float, arrived: float) -> int:
+    def reads_responded(self, pl: PeerLink, qp: Any, calls: list[LaneCall], now: float, arrived: float,
+                        path: int = 0, start: int = 0) -> int:
         """Complete the Reads the lane calls of ``next_reads_responses``
         ended (their CQEs first: the application waits on them), then
-        account for the calls on ``pl``'s link, as one run per ACK field;
-        return the offset in the buffer after the last."""
+        account for the calls on ``pl``'s link (their datagrams from offset
+        ``start`` of the buffer, arrived on ``path``), as one run per ACK
+        field; return the offset in the buffer after the last."""
         link = pl.link
         total = reads = 0
         for call in calls:  # first what the application waits on
@@ -482,8 +488,10 @@ class ReceiveLane:
                 count += c.count
                 last_ts, last_rwnd, flags_or = c.last_ts, c.last_rwnd, flags_or | c.flags_or
                 j += 1
+            end = calls[j - 1].end
             link.data_run_received(count, first.ack, first.ts, first.echo, first.rwnd, first.flags, last_ts,
-                                   last_rwnd, flags_or, now, arrived)
+                                   last_rwnd, flags_or, now, arrived, path, end - start)
+            start = end
             total += count
         self.stats["rx_native_reads"] += reads
         self.stats["rx_native_datagrams"] += total

@@ -488,19 +488,21 @@ class Builder:
         return k, total
 
     def _frame_packets(self, buf: bytearray | memoryview, first: int, n: int, k: int, stride: int, last_len: int,
-                       now: float, ack: int, rwnd: int, flag_at: int, flag: int, built: int) -> None:
+                       now: float, ack: int, rwnd: int, flag_at: int, flag: int, built: int,
+                       path: Any = None) -> None:
         """Write the headers and CRCs of DATA packets ``n`` .. ``n + k - 1``
         around their bodies in ``buf`` from ``first`` (``run_slots``'
         layout; bodies ``stride`` bytes, the k-th ``last_len``), in one
         compiled call: the packet at ``flag_at`` carries ``flag``; ``built``
-        as for ``Link.send_run``."""
+        as for ``Link.send_run``; ``path``: the path of a multi-path link
+        they leave on (its id and its echo, ``scheduler.Path``)."""
         f = self._frame
-        f.path_id = self.path_id
+        f.path_id = self.path_id if path is None else path.id
         f.conn_tag = self.peer_tag
         f.seq = (self.isn + n) & _U32
         f.ack = ack
         f.ts = int(now * 1e6) & _U32
-        f.echo = self._echo(now)
+        f.echo = self._echo(now) if path is None else path.echo(now)
         f.rwnd = rwnd
         f.flag_at = flag_at
         f.flag = flag

@@ -366,7 +366,7 @@ class Link(Handshake, PathProbing, Timers, Paths, Builder):
 
     def data_run_received(self, count: int, ack: int, ts_us: int, ts_echo_us: int, rwnd: int, flags: int,
                           last_ts_us: int, last_rwnd: int, flags_any: int, now: float,
-                          arrived: float | None = None, path: int = 0) -> None:
+                          arrived: float | None = None, path: int = 0, size: int = 0) -> None:
         """Account for ``count`` DATA packets the owner consumed itself.
 
         The packets are the next ``count`` in order (from the sequence
@@ -375,7 +375,9 @@ class Link(Handshake, PathProbing, Timers, Paths, Builder):
         and ``flags``, the last ``last_ts_us`` and ``last_rwnd``;
         ``flags_any`` is the OR of all their flags.  The state afterwards is
         what ``datagram_received`` of each would have left, except that the
-        messages are not delivered (the owner has handled them).
+        messages are not delivered (the owner has handled them).  ``path``:
+        the path they arrived on, ``size``: their bytes (a multi-path link's
+        per-path counters, ``pathlanes.py``).
         """
         self._arrived = now if arrived is None else arrived
         stats = self.stats

@@ -79,9 +79,9 @@ Cost: a link is single-path until ``add_path``, and nothing here runs
 before.  The first ``add_path`` moves what is in flight to path 0 and puts
 the multi-path versions of the per-datagram entry points on the instance
 (``_mp_start``), so a single-path link pays no test per datagram.  While
-multi-path, ``frame_alone`` / ``frame_run_alone`` / ``run_receivable``
-return None (every packet goes through the general path) and the owner
-drains ``bursts_by_path``.
+multi-path, ``frame_alone`` / ``frame_run_alone`` return None (every
+packet goes through the scheduler) and the owner drains ``bursts_by_path``;
+the compiled lanes go on, per path (``pathlanes.py``).
 """
 
 from __future__ import annotations
@@ -238,8 +238,8 @@ class Paths(Scheduler):
         self.next_deadline = self._mp_next_deadline  # type: ignore[method-assign]
         self.timer_fired = self._mp_timer_fired  # type: ignore[method-assign]
         self.bursts_to_send = self._mp_flat  # type: ignore[method-assign]
-        self.datagrams_to_send = self._mp_flat  # type: ignore[method-assign]
-        self.frame_alone = self.frame_run_alone = self.run_receivable = none  # type: ignore[method-assign]
+        self.datagrams_to_send = self._mp_datagrams  # type: ignore[method-assign]
+        self.frame_alone = self.frame_run_alone = none  # type: ignore[method-assign]
         self._probe_packet = self._mp_probe_packet  # type: ignore[method-assign]
         self.datagram_refused = self._mp_datagram_refused  # type: ignore[method-assign]
 
@@ -260,19 +260,6 @@ class Paths(Scheduler):
         type(self).datagram_received(self, data, now, arrived)  # type: ignore[attr-defined]
         # DATA and KEEPALIVE ask for an ACK: it goes back on the path they came by
         self._arrived_on(p, heard, nout, len(data) > 1 and (data[1] == _DATA or data[1] == _KEEPALIVE), now)
-
-    def _mp_data_run_received(self, count: int, ack: int, ts_us: int, ts_echo_us: int, rwnd: int, flags: int,
-                              last_ts_us: int, last_rwnd: int, flags_any: int, now: float,
-                              arrived: float | None = None, path: int = 0) -> None:
-        """``data_run_received`` while multi-path (``run_receivable`` says None, so only an owner's own count)."""
-        p = self._arrival(path, 0)
-        p.datagrams_received += count - 1
-        heard = self._last_heard
-        self._last_heard = -1.0
-        nout = len(self._out)
-        type(self).data_run_received(self, count, ack, ts_us, ts_echo_us, rwnd, flags,  # type: ignore[attr-defined]
-                                     last_ts_us, last_rwnd, flags_any, now, arrived)
-        self._arrived_on(p, heard, nout, True, now)
 
     def _arrival(self, path: int, size: int) -> Path:
         paths = self._mp

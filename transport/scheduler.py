@@ -13,7 +13,9 @@ whose window has room and whose pacer lets it leave now (MPTCP's default
 scheduler), so each path carries what its window over its RTT allows.  A
 retransmission avoids the path it was lost on when another has room.
 Then the ACK, if one is due, on every path owed one (DATA arrived on it
-since our last packet there) that no DATA of ours leaves on.
+since our last packet there) that no DATA of ours leaves on.  New
+messages of a run queued by ``Link.send_run`` leave as the compiled framer
+builds them, a stretch per path (``pathlanes.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import heapq
 from typing import Any
 
 from ..wire import link as wl
-from .builder import fit_sack
+from .builder import Burst, fit_sack
 from .congestion.base import CongestionController
 from .pacer import Pacer
+from .pathlanes import PathLanes
 from .records import LinkState
 from .recovery import RttEstimator
 
@@ -104,7 +107,7 @@ class Path:
         return s if s is not None else self.rtt.rto_s
 
 
-class Scheduler:
+class Scheduler(PathLanes):
     """What leaves a multi-path link, and on which path (see the module docstring)."""
 
     config: Any
@@ -186,7 +189,7 @@ class Scheduler:
         for p, out in outs.items():
             if out:
                 p.datagrams_sent += len(out)
-                p.bytes_sent += sum(len(x) for x in out)
+                p.bytes_sent += sum(len(x.view) if type(x) is Burst else len(x) for x in out)
                 nsent += len(out)
                 result.append((p.id, out))
         self.stats.datagrams_sent += nsent
@@ -245,6 +248,7 @@ class Scheduler:
         sack: tuple[tuple[int, int], ...] = ()
         sent: dict[Path, int] = {}
         count = 0
+        runs = self._runs
         while True:
             n = self._next_lost() if self._lost else None
             retx = n is not None
@@ -260,6 +264,13 @@ class Scheduler:
                 break
             if ack < 0:
                 ack, rwnd, sack = self.receiver.feedback()
+            if not retx and runs and not sack:  # a run's packets carry no SACK blocks
+                k, nbytes = self._path_frame_run(outs, p, n, limit, now, clock, ack, rwnd)
+                if k:
+                    snd_nxt = n + k
+                    sent[p] = sent.get(p, 0) + nbytes
+                    count += k
+                    continue
             body = rec.message(n)
             size = len(body) + wl.OVERHEAD
             if retx:
@@ -285,9 +296,8 @@ class Scheduler:
             sent[p] = sent.get(p, 0) + size
             count += 1
         self._snd_nxt = snd_nxt
-        runs = self._runs
         while runs and runs[0][1] <= snd_nxt:
-            runs.popleft()  # (the framer builds no runs while multi-path)
+            runs.popleft()  # sent, by the framer or (SACK blocks to carry) packet by packet: let it go
         waiting = bool(self._lost) or snd_nxt < limit
         for p in self._mp.values():  # type: ignore[union-attr]
             p.cwnd_limited = waiting and p.bytes_in_flight >= p.cc.cwnd_bytes or p.bytes_in_flight * 2 >= p.cc.cwnd_bytes

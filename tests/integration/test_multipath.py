@@ -106,6 +106,12 @@ def test_one_link_runs_over_both_paths_and_the_data_is_exact(keyed: bool) -> Non
                         assert f["bytes_sent"] > 0 and f["bytes_received"] > 0, (mine[i], f)
                 stats = a.ctx.query_stats()
                 assert stats["paths"] == 2 and stats["paths_up"] == 2, stats
+                for ctx in (a.ctx, b.ctx):
+                    # the Writes (A to B) and Read Responses (B to A) of both paths: most framed and
+                    # placed by the compiled lanes
+                    s = ctx.query_stats()
+                    assert s.get("tx_native_datagrams", 0) > s["link_data_sent"] * 3 // 4, s
+                    assert s.get("rx_native_datagrams", 0) > s["link_data_received"] * 3 // 4, s
                 assert stats.get("auth_failed", 0) == 0 and stats.get("rx_unknown_path", 0) == 0, stats
                 # what udpverbs stat shows: a paths table with both pairs
                 daemon = tools.Daemon(da.socket_path)
