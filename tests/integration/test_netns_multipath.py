@@ -3,8 +3,10 @@
 The test makes its own namespaces (``udpverbs.bench.netns``: unique names,
 two subnets that exist only inside them) and deletes them on every way
 out; skipped where namespaces cannot be made (not root, no ``ip``).  A
-daemon in each namespace has both addresses; 256 MiB of RDMA Writes go
-from A to B and are read back by RDMA Reads, and halfway through the
+daemon in each namespace has both addresses, and each veth is shaped
+(tbf) below what the daemons move, so both paths carry the stream.
+256 MiB of RDMA Writes go from A to B and are read back by RDMA Reads,
+and halfway through the
 Writes one veth is set down (a cut cable: the kernel drops the route, so
 sends on that path fail).  Every work request must complete successfully
 and both copies must match.  Then the veth comes back and the per-path
@@ -34,6 +36,10 @@ CHUNK = 64 * 1024
 DEPTH = 16
 #: a path silent this long is down (the default is longer; the test need not wait)
 PATH_DEAD = ("--link", "path_dead_s=0.3")
+#: each veth's rate each way, Mbit/s: below what the daemons' CPUs move, so
+#: that the link needs both paths (unshaped, the lower-RTT path alone keeps
+#: up with the CPUs and the other one may carry nothing when it is cut)
+RATE_MBIT = 300
 
 
 def stream(a: Side, b: Side, opcode: int, a_off: int, total: int, deadline_s: float,
@@ -73,7 +79,7 @@ def digest(mr: verbs.MR, start: int, n: int) -> bytes:
 
 def test_a_cut_veth_mid_transfer_loses_nothing_and_comes_back() -> None:
     try:
-        pair = NamespacePair([Wire(1500), Wire(1500)], tag="uvnm").__enter__()
+        pair = NamespacePair([Wire(1500, RATE_MBIT), Wire(1500, RATE_MBIT)], tag="uvnm").__enter__()
     except NamespaceError as e:
         pytest.skip(str(e))
     try:
