@@ -6,9 +6,8 @@ out; skipped where namespaces cannot be made (not root, no ``ip``).  A
 daemon in each namespace has both addresses, and each veth is shaped
 (tbf) below what the daemons move, so both paths carry the stream.
 256 MiB of RDMA Writes go from A to B and are read back by RDMA Reads,
-and halfway through the
-Writes one veth is set down (a cut cable: the kernel drops the route, so
-sends on that path fail).  Every work request must complete successfully
+and halfway through the Writes one veth is set down (a cut cable: the
+kernel drops the route, so sends on that path fail).  Every work request must complete successfully
 and both copies must match.  Then the veth comes back and the per-path
 counters show traffic on it again.
 """
