@@ -126,6 +126,7 @@ def _taken(pl: PeerLink, qp: Any, s: Any, k: int, stats: Any, now: float, arrive
     qp.recv_ring.pop(k)
     qp.recv_cq.pushed(k)
     qp.rx_msn = (qp.rx_msn + k) & U32
+    qp.rx_placed = s.last_len  # as the last receive's completion leaves it
     qp.flow_ack_due = True  # Modified ACK: the sender may complete the WRs
     stats["rx_native_sends"] += k
     stats["rx_native_datagrams"] += k

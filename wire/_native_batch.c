@@ -158,6 +158,7 @@ typedef struct {
     /* out: the datagrams' link fields, as udpv_rx_run's over the whole batch */
     uint32_t ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or;
     uint32_t flow_ack, flow_ack_msn;
+    uint32_t last_len; /* the last Send's length: the receive's bytes placed */
 } udpv_rx_sends;
 
 static inline void st32(uint8_t *p, uint32_t v) { memcpy(p, &v, sizeof v); }
@@ -212,6 +213,7 @@ size_t udpv_rx_send_batch(udpv_rx_sends *s, udpv_rx_run *r, const uint8_t *buf, 
         st32(c + CQE_OPCODE, s->wc_recv);
         st32(c + CQE_VENDOR_ERR, 0);
         st32(c + CQE_BYTE_LEN, (uint32_t)r->bytes);
+        s->last_len = (uint32_t)r->bytes;
         st32(c + CQE_IMM, 0);
         st32(c + CQE_QP_NUM, s->qp_num);
         st32(c + CQE_SRC_QP, s->src_qp);

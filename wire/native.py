@@ -199,6 +199,7 @@ typedef struct {
     uint32_t qp_num, src_qp, wc_recv;
     uint32_t ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or;
     uint32_t flow_ack, flow_ack_msn;
+    uint32_t last_len;
 } udpv_rx_sends;
 
 size_t udpv_rx_send_batch(udpv_rx_sends *s, udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg,

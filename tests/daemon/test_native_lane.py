@@ -236,7 +236,7 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, writes: list[
     assert (fast.qp.rx_msn, fast.qp.rx_placed) == (slow.qp.rx_msn, slow.qp.rx_placed)
     lane = {k: fast.dev.stats.pop(k, 0)
             for k in ("rx_native_datagrams", "rx_native_sends", "rx_native_reads", "rx_native_requests",
-                      "rx_native_atomic_responses")}
+                      "rx_native_atomic_responses", "rx_batched_sends")}
     assert +fast.dev.stats == +slow.dev.stats
     fast.dev.stats.update(lane)
     return a, fast
