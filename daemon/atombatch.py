@@ -1,0 +1,156 @@
+"""The atomic batch: a GRO batch of Atomic Requests applied and answered in one compiled call.
+
+Theory of operation
+-------------------
+An ORD window of Fetch-and-Adds (perftest's ``atomic_bw``) reaches the
+responder as one GRO buffer of Atomic Requests, which the receive lane
+checks in one call (``rxlane.py``, ``whole`` and ``many``).  Taken one by
+one (``Responder._on_atomic_request``), each then cost the responding
+daemon its Python: the request decoded, the region looked up and checked,
+the word read, changed and written, the response encoded, and when the
+pass pumps, its segment packed and queued and, at the flush, framed in
+Python.  Here one call of ``udpv_atomic_batch`` (``wire/_native_atomic.c``)
+applies the requests that name the one region checked here and builds
+their Atomic Responses in one buffer, each in the place its link packet
+will have (``run_slots``); the IRRQ keeps them as one record, an
+:class:`AtomicRun`, and the pump queues them as one run (``Link.send_run``),
+which the compiled framer frames in one call.
+
+Python stays the control plane.  ``answer_atomics`` checks once what the
+Python path checks per request and is the same for all of them: the QP
+receives, the first request's MSN is the expected one, the IRD leaves
+room (the batch is cut where the IRRQ would be full), and the first
+request's STag names a region of the QP's PD with remote atomic access.
+The C code stops at the first request that names another STag, an unknown
+operation, or a word out of bounds or not 8-byte aligned (RFC 7306 §5.2);
+that one and everything after it go the per-request way, which produces
+the Terminates.  The replay records (a repeated request is answered again,
+never applied twice) are the batch's last responses, as the Python path
+leaves them.  A device with the batch sends the same datagrams, at the same
+points, as one without it (``tests/daemon/test_atomic_batch.py``).  Not on
+a link of several paths.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from ..transport.link import run_slots
+from ..wire import envelope, rdmap, segment
+from ..wire import link as wire_link
+from ..wire.rdmap import Opcode
+from .opcodes import REMOTE_ATOMIC, RECEIVING, U32
+from .records import ReadResponse
+
+_PREFIX = segment.UNTAGGED_PREFIX_LEN
+_STRIDE = _PREFIX + rdmap.ATOMIC_RESPONSE_LEN
+_HEAD, _SLOT = run_slots(_STRIDE)
+#: where a request's body starts in its link packet
+_BODY_AT = wire_link.HEADER_LEN + envelope.ENVELOPE_LEN + rdmap.ddp.UNTAGGED_HEADER_LEN
+_STAG = slice(8, 12)  # an Atomic Request body's STag (RFC 7306 §5.2)
+
+
+class AtomicRun:
+    """IRRQ entries: the Atomic Responses of a batch, built in one buffer
+    (run slots).  The IRRQ holds this one object once per response, so
+    that its length still counts responses (the IRD check) and its order
+    is kept; ``sent`` of them have left."""
+
+    __slots__ = ("buf", "count", "sent")
+    view = None  # touches no region after the operation: nothing to release
+
+    def __init__(self, buf: memoryview, count: int) -> None:
+        self.buf = buf
+        self.count = count
+        self.sent = 0
+
+    def body(self, i: int) -> bytes:
+        """The ``i``-th response's body (RFC 7306 §5.3)."""
+        at = i * _SLOT + _HEAD + _PREFIX
+        return bytes(self.buf[at:at + rdmap.ATOMIC_RESPONSE_LEN])
+
+
+class AtomicScratch:
+    """A device's descriptor for ``udpv_atomic_batch``."""
+
+    __slots__ = ("ffi", "lib", "a", "hdr", "alloc")
+
+    def __init__(self, native: Any) -> None:
+        self.ffi = native.ffi
+        self.lib = native.lib
+        self.a = self.ffi.new("udpv_atomics *")
+        self.a.prefix = _PREFIX
+        self.hdr = self.ffi.buffer(self.a.hdr)
+        # not zeroed: every byte a packet takes is written before it leaves
+        self.alloc = self.ffi.new_allocator(should_clear_after_alloc=False)
+
+
+def answer_atomics(qp: Any, scratch: AtomicScratch, data: bytes, off: int, seg: int, k: int, msn: int,
+                   replay_keep: int) -> int:
+    """Apply and answer the first of the ``k`` whole Atomic Requests the
+    lane took at ``data[off:]`` (``seg`` bytes apart, MSN by MSN from
+    ``msn``) that the batch may take; return how many (0: none, the
+    Python path takes them all)."""
+    if k < 2 or qp.state not in RECEIVING or msn != qp.rx_read_msn or qp.link is None or qp.link.link.multipath:
+        return 0
+    irrq = qp.irrq
+    k = min(k, qp.ird - len(irrq))  # the one that finds the IRRQ full: the Python path's Terminate
+    if k < 2:
+        return 0
+    body = off + _BODY_AT
+    stag = int.from_bytes(data[body + _STAG.start:body + _STAG.stop], "big")
+    mr = qp.device.stags.lookup(stag)
+    if mr is None or mr.pd is not qp.pd or not mr.access & REMOTE_ATOMIC or not mr.valid:
+        return 0
+    a = scratch.a
+    a.stag = stag
+    a.base = 0 if mr.zero_based else mr.addr
+    a.len = mr.length
+    segment.pack_untagged_into(scratch.hdr, 0, qp.dest_qpn, qp.qpn, Opcode.ATOMIC_RESPONSE, True, 0, 0)
+    # the responses queued ahead of these take the MSNs before theirs
+    a.msn = (qp.atomic_resp_msn + sum(1 for r in irrq if type(r) is not ReadResponse)) & U32
+    ffi = scratch.ffi
+    out = scratch.alloc("uint8_t[]", k * _SLOT)
+    src = ffi.from_buffer(data)
+    mem = ffi.from_buffer("uint8_t[]", mr.view)
+    try:
+        n = scratch.lib.udpv_atomic_batch(a, src + body, k, seg, mem, out + _HEAD, _SLOT)
+    finally:
+        ffi.release(mem)  # no export may outlive the call: deregistration releases the view
+        ffi.release(src)
+    if not n:
+        return 0
+    run = AtomicRun(memoryview(ffi.buffer(out))[:n * _SLOT], n)
+    replay = qp.atomic_replay
+    for i in range(max(0, n - replay_keep), n):
+        replay[(msn + i) & U32] = run.body(i)
+    while len(replay) > replay_keep:
+        replay.popitem(last=False)
+    qp.rx_read_msn = (msn + n) & U32
+    irrq.extend([run] * n)
+    qp.device.stats["rx_atomic_batched"] += n
+    return n
+
+
+def send_atomic_run(qp: Any, r: AtomicRun, room: int) -> int:
+    """Send the next responses (at most ``room``) of the batch ``r`` at the
+    IRRQ head; return how many.  One alone goes as the Python path sends
+    an Atomic Response (it may leave at once); more go as one run."""
+    irrq: deque[Any] = qp.irrq
+    pl = qp.link
+    j = min(r.count - r.sent, room, pl.link.send_space())
+    if j <= 1:
+        irrq.popleft()
+        qp.send_untagged(Opcode.ATOMIC_RESPONSE, qp.atomic_resp_msn, r.body(r.sent))
+        qp.atomic_resp_msn += 1
+        r.sent += 1
+        return 1
+    if pl.requests:
+        pl.flush_requests()  # as PeerLink.send: requests queued before go first
+    pl.link.send_run(r.buf[r.sent * _SLOT:(r.sent + j) * _SLOT], _STRIDE, j, _STRIDE)
+    for _ in range(j):
+        irrq.popleft()
+    qp.atomic_resp_msn += j
+    r.sent += j
+    return j
