@@ -40,8 +40,9 @@ from ..transport.link import run_slots
 from ..wire import envelope, rdmap, segment
 from ..wire import link as wire_link
 from ..wire.rdmap import Opcode
-from .opcodes import REMOTE_ATOMIC, RECEIVING, U32
-from .records import ReadResponse
+from ..wire import shm
+from .opcodes import ATOMIC_WR, LOCAL_WRITE, REMOTE_ATOMIC, RECEIVING, SEND_SIGNALED, U32, wc_opcode
+from .records import Gather, OutWR, PendingAtomic, ReadResponse
 
 _PREFIX = segment.UNTAGGED_PREFIX_LEN
 _STRIDE = _PREFIX + rdmap.ATOMIC_RESPONSE_LEN
@@ -154,3 +155,115 @@ def send_atomic_run(qp: Any, r: AtomicRun, room: int) -> int:
     qp.atomic_resp_msn += j
     r.sent += j
     return j
+
+
+# -- the requester's side: an ORD window of atomic WQEs taken in one call ---------
+_SGE = shm.SGE
+_SG_OFFSET = shm.SEND_WQE_SG_OFFSET
+_REQ_STRIDE = _PREFIX + rdmap.ATOMIC_REQUEST_LEN
+_REQ_HEAD, _REQ_SLOT = run_slots(_REQ_STRIDE)
+#: the most WQEs one call takes (an ORD window is 16 by default)
+TAKE_MAX = 64
+
+
+class SQScratch:
+    """A compiled take's descriptor (cffi ``ctype``, with a segment header
+    ``hdr`` and an SQ's ``slots``) and the allocator of its runs."""
+
+    __slots__ = ("ffi", "lib", "t", "hdr", "alloc", "ring")
+
+    def __init__(self, native: Any, ctype: str) -> None:
+        ffi = self.ffi = native.ffi
+        self.lib = native.lib
+        self.t = ffi.new(ctype)
+        self.hdr = ffi.buffer(self.t.hdr)
+        # a run's buffer is not zeroed: every byte a packet takes is written before it leaves
+        self.alloc = ffi.new_allocator(should_clear_after_alloc=False)
+        self.ring: Any = None  # the SQ whose slots t points at
+
+    def point_at(self, sq: shm.Ring) -> None:
+        """Point the descriptor at ``sq``'s slots (they never move while the QP lives)."""
+        if self.ring is not sq:
+            self.t.slots = self.ffi.cast("uint8_t *", int(shm.ffi.cast("uintptr_t", sq._slots)))
+            self.ring = sq
+
+
+class AtomicTake(SQScratch):
+    """A QP's descriptor and per-WQE outputs for ``udpv_atomic_take``."""
+
+    __slots__ = ("wr_id", "raddr", "sink_off", "rkey", "signaled")
+
+    def __init__(self, native: Any) -> None:
+        super().__init__(native, "udpv_atomic_wqes *")
+        ffi, t = self.ffi, self.t
+        # the arrays live as long as this object: t only points at them
+        self.wr_id = t.wr_id = ffi.new("uint64_t[]", TAKE_MAX)
+        self.raddr = t.raddr = ffi.new("uint64_t[]", TAKE_MAX)
+        self.sink_off = t.sink_off = ffi.new("uint64_t[]", TAKE_MAX)
+        self.rkey = t.rkey = ffi.new("uint32_t[]", TAKE_MAX)
+        self.signaled = t.signaled = ffi.new("uint8_t[]", TAKE_MAX)
+        t.sg_at = _SG_OFFSET
+        t.flags_ok = SEND_SIGNALED
+        t.signaled_flag = SEND_SIGNALED
+        t.prefix = _PREFIX
+
+
+def take_atomics(qp: Any, pl: Any, opcode: int, wqes: int, avail: int) -> int:
+    """Take up to ``wqes`` atomic WQEs of ``opcode`` that are alike off
+    ``qp``'s SQ (``avail`` posted) in one compiled call, as far as the ORD
+    lets them go, and queue their requests on ``pl`` as one run; return how
+    many (0: none, the per-WQE path goes on).  The caller has checked that
+    nothing else is under way or owed, and the first WQE's flags."""
+    k = min(wqes, avail, qp.ord - len(qp.orrq), TAKE_MAX)  # the one past the ORD waits, as start_next makes it
+    if k < 2:
+        return 0
+    sq = qp.sq
+    addr, n, lkey = _SGE.unpack_from(sq.buf, sq.slot_offset() + _SG_OFFSET)
+    mr = qp.device.stags.lookup(lkey)
+    if n != 8 or mr is None or mr.check(qp.pd, LOCAL_WRITE, addr, 8, tagged=False)[0]:
+        return 0
+    b = qp._atake
+    if b is None:
+        b = qp._atake = AtomicTake(qp.device.native)
+    b.point_at(sq)
+    t = b.t
+    t.cons, t.mask, t.entry_size, t.avail = sq.cons, sq.mask, sq.entry_size, avail
+    t.opcode = opcode
+    t.aop = ATOMIC_WR[opcode]
+    t.sig_all = 1 if qp.sq_sig_all else 0
+    t.lkey, t.addr, t.len = mr.stag, mr.addr, mr.length
+    segment.pack_untagged_into(b.hdr, 0, qp.dest_qpn, qp.qpn, Opcode.ATOMIC_REQUEST, True, 0, 0)
+    msn, req_id = qp.read_msn, qp.next_req_id
+    t.msn, t.req_id = msn & U32, req_id
+    out = b.alloc("uint8_t[]", k * _REQ_SLOT)
+    k = b.lib.udpv_atomic_take(t, out + _REQ_HEAD, k, _REQ_SLOT)
+    if k < 2:
+        return 0
+    sq.pop(k)
+    qp.device.stats["tx_batched_atomics"] += k
+    if pl.requests:
+        pl.flush_requests()  # requests queued before go first, as they would in one run
+    pl.link.send_run(memoryview(b.ffi.buffer(out))[:k * _REQ_SLOT], _REQ_STRIDE, k, _REQ_STRIDE,
+                     ack_carrier=False)
+    _atomics_taken(qp, b, k, wc_opcode(opcode), mr.view, msn, req_id)
+    return k
+
+
+def _atomics_taken(qp: Any, b: AtomicTake, k: int, wc_op: int, view: memoryview, msn: int, req_id: int) -> None:
+    """The records of ``k`` atomics taken, the first one's request MSN
+    ``msn`` and identifier ``req_id``: each waits on the ORRQ for its
+    Atomic Response, whose original value lands in its sink in ``view``."""
+    ffi = b.ffi
+    ids, raddrs, rkeys, sig, offs = (ffi.unpack(b.wr_id, k), ffi.unpack(b.raddr, k), ffi.unpack(b.rkey, k),
+                                     ffi.unpack(b.signaled, k), ffi.unpack(b.sink_off, k))
+    outstanding = qp.outstanding
+    orrq = qp.orrq
+    for i in range(k):
+        wr = OutWR(ids[i], wc_op, sig[i] != 0, 8)
+        wr.rkey = rkeys[i]
+        wr.raddr = raddrs[i]
+        wr.atomic_msn = msn + i
+        outstanding.append(wr)
+        orrq.append(PendingAtomic(wr, Gather([(view, offs[i], 8)]), (req_id + i) & U32))
+    qp.read_msn = msn + k
+    qp.next_req_id = (req_id + k) & U32

@@ -23,6 +23,8 @@ enum {
     AREQ_ADD_SWAP_MASK = 28,
     AREQ_COMPARE = 36,
     AREQ_COMPARE_MASK = 44,
+    WQE_COMPARE_ADD = 40, /* struct uv_send_wqe's atomic operands */
+    WQE_SWAP = 48,
     AOP_FETCH_ADD = 0,
     AOP_SWAP = 1,
     AOP_CMP_SWAP = 2,
@@ -76,4 +78,70 @@ size_t udpv_atomic_batch(udpv_atomics *a, const uint8_t *buf, size_t k, size_t s
         put64(b + a->prefix + 4, orig);
     }
     return i;
+}
+
+/* The requester's side: the next atomic WQEs of an SQ that are alike (one
+ * opcode, no flag but signaled, one SGE of 8 bytes in the one local region
+ * the caller checked), taken in one call and built into Atomic Requests
+ * (RFC 7306 §5.2) in run slots, as udpv_tx_take_small builds Writes.  The
+ * WQE is in the application's memory: each field is read once, and what
+ * was read is what the caller's records get. */
+
+typedef struct {
+    const uint8_t *slots;
+    uint32_t cons, mask, entry_size, sg_at, avail;
+    uint32_t opcode;        /* the WR opcode every WQE must have */
+    uint32_t flags_ok, signaled_flag, sig_all;
+    uint32_t lkey;          /* the local region every sink must lie in */
+    uint64_t addr, len;
+    uint8_t hdr[32];        /* an Atomic Request's segment header, Python-packed */
+    uint32_t prefix, msn, req_id;
+    uint32_t aop;           /* RFC 7306's operation code */
+    uint64_t *wr_id, *raddr, *sink_off;
+    uint32_t *rkey;
+    uint8_t *signaled;
+} udpv_atomic_wqes;
+
+size_t udpv_atomic_take(udpv_atomic_wqes *t, uint8_t *out, size_t max, size_t spacing) {
+    size_t k;
+    if (max > t->avail) max = t->avail;
+    for (k = 0; k < max; k++) {
+        const uint8_t *w = t->slots + (size_t)((t->cons + (uint32_t)k) & t->mask) * t->entry_size;
+        uint8_t head[56], sge[16];
+        memcpy(head, w, sizeof head); /* once: the application may write the slot meanwhile */
+        memcpy(sge, w + t->sg_at, sizeof sge);
+        uint32_t flags = ld32(head + WQE_FLAGS);
+        uint64_t addr = ld64(sge);
+        if (ld32(head + WQE_OPCODE) != t->opcode || flags & ~t->flags_ok || ld32(head + WQE_NUM_SGE) != 1) break;
+        if (ld32(sge + SGE_LENGTH) != 8 || ld32(sge + SGE_LKEY) != t->lkey) break;
+        if (addr < t->addr || t->len < 8 || addr - t->addr > t->len - 8) break;
+        uint64_t raddr = ld64(head + WQE_RADDR), compare_add = ld64(head + WQE_COMPARE_ADD),
+                 swap = ld64(head + WQE_SWAP);
+        uint32_t rkey = ld32(head + WQE_RKEY);
+        uint8_t *b = out + k * spacing;
+        memcpy(b, t->hdr, t->prefix);
+        put32(b + UNTAGGED_MSN_AT, t->msn + (uint32_t)k);
+        uint8_t *q = b + t->prefix;
+        put32(q + AREQ_WORD0, t->aop);
+        put32(q + AREQ_REQ_ID, t->req_id + (uint32_t)k);
+        put32(q + AREQ_STAG, rkey);
+        put64(q + AREQ_TO, raddr);
+        if (t->aop == AOP_FETCH_ADD) { /* verbs' FetchAdd: a masked add with no field boundaries */
+            put64(q + AREQ_ADD_SWAP, compare_add);
+            put64(q + AREQ_ADD_SWAP_MASK, 0);
+            put64(q + AREQ_COMPARE, 0);
+            put64(q + AREQ_COMPARE_MASK, 0);
+        } else { /* CmpSwap: compares and swaps all 64 bits */
+            put64(q + AREQ_ADD_SWAP, swap);
+            put64(q + AREQ_ADD_SWAP_MASK, ~(uint64_t)0);
+            put64(q + AREQ_COMPARE, compare_add);
+            put64(q + AREQ_COMPARE_MASK, ~(uint64_t)0);
+        }
+        t->wr_id[k] = ld64(head + WQE_WR_ID);
+        t->raddr[k] = raddr;
+        t->rkey[k] = rkey;
+        t->sink_off[k] = addr - t->addr;
+        t->signaled[k] = t->sig_all || flags & t->signaled_flag;
+    }
+    return k;
 }

@@ -65,7 +65,8 @@ the receive lane over a buffer of one-segment Sends, one message a call,
 each into the next posted receive, and writes their CQEs
 (``daemon/rxsends.py``); ``udpv_atomic_batch`` applies a GRO batch of
 Atomic Requests to one region and builds their Atomic Responses into run
-slots (``daemon/atombatch.py``).  All stop at the first item that is not
+slots, and ``udpv_atomic_take`` takes an ORD window of atomic WQEs off an
+SQ and builds their Atomic Requests the same way (``daemon/atombatch.py``).  All stop at the first item that is not
 like the others, and Python takes it.
 
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
@@ -215,6 +216,21 @@ typedef struct {
 
 size_t udpv_atomic_batch(udpv_atomics *a, const uint8_t *buf, size_t k, size_t seg, uint8_t *mem, uint8_t *out,
                          size_t spacing);
+
+typedef struct {
+    const uint8_t *slots;
+    uint32_t cons, mask, entry_size, sg_at, avail;
+    uint32_t opcode, flags_ok, signaled_flag, sig_all;
+    uint32_t lkey;
+    uint64_t addr, len;
+    uint8_t hdr[32];
+    uint32_t prefix, msn, req_id, aop;
+    uint64_t *wr_id, *raddr, *sink_off;
+    uint32_t *rkey;
+    uint8_t *signaled;
+} udpv_atomic_wqes;
+
+size_t udpv_atomic_take(udpv_atomic_wqes *t, uint8_t *out, size_t max, size_t spacing);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")

@@ -185,3 +185,36 @@ def twins_answer(held: list[bytes], hosts: tuple[Host, Host, Host], links: tuple
     assert out_f == out_s  # the same answers, ACKs, Modified ACKs, NACKs, Terminates
     assert link_state(pf) == link_state(ps)
     receive_all(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
+
+
+def twins_send(fast: Host, slow: Host, pf: Any, ps: Any, now: float) -> list[bytes]:
+    """A pass of two sending twins: they must send the same datagrams, byte
+    for byte, and be in the same link and QP state; return what they sent."""
+    out_f, out_s = turn(fast, pf, now, fast.dev.clock), turn(slow, ps, now, slow.dev.clock)
+    assert out_f == out_s  # the same datagrams, byte for byte
+    assert link_state(pf) == link_state(ps)
+    assert pf.link.recovery.in_flight() == ps.link.recovery.in_flight()
+    assert fast.qp.state == slow.qp.state
+    return out_f
+
+
+def twins_round(hosts: tuple[Host, Host, Host], links: tuple[Any, Any, Any], held: list[bytes],
+                cqes: tuple[list[tuple[int, ...]], list[tuple[int, ...]]], rng: random.Random, loss: float,
+                now: float, state: Callable[[Any], tuple[Any, ...]]) -> list[bytes]:
+    """A pass of two sending twins (``twins_send``; ``state`` of each QP
+    must agree too) talking to a peer (``hosts``: fast, slow, peer; their
+    ``links``): now and then what they held reaches the peer and its answer
+    both, and the CQEs they then wrote (added to ``cqes``) must agree.
+    Returns what is held for the next pass."""
+    fast, slow, peer = hosts
+    pf, ps, pp = links
+    held = held + twins_send(fast, slow, pf, ps, now)
+    assert state(fast.qp) == state(slow.qp)
+    if rng.random() < 0.3:
+        return held
+    carry(peer, pp, held, ((fast, pf), (slow, ps)), rng, loss, now)
+    cqes[0].extend(fast.cqes())
+    cqes[1].extend(slow.cqes())
+    assert cqes[0] == cqes[1]
+    peer.cqes()
+    return []
