@@ -33,14 +33,14 @@ a link of several paths.
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from typing import Any
 
 from ..transport.link import run_slots
-from ..wire import envelope, rdmap, segment
+from ..wire import envelope, rdmap, segment, shm
 from ..wire import link as wire_link
 from ..wire.rdmap import Opcode
-from ..wire import shm
 from .opcodes import ATOMIC_WR, LOCAL_WRITE, REMOTE_ATOMIC, RECEIVING, SEND_SIGNALED, U32, wc_opcode
 from .records import Gather, OutWR, PendingAtomic, ReadResponse
 
@@ -267,3 +267,42 @@ def _atomics_taken(qp: Any, b: AtomicTake, k: int, wc_op: int, view: memoryview,
         orrq.append(PendingAtomic(wr, Gather([(view, offs[i], 8)]), (req_id + i) & U32))
     qp.read_msn = msn + k
     qp.next_req_id = (req_id + k) & U32
+
+
+# -- the requester's side: a GRO batch of Atomic Responses completed in one loop -----
+_RESPONSE = struct.Struct("!IQ")  # RFC 7306 §5.3: request identifier, original value
+_HOST_U64 = struct.Struct("=Q")  # the original value lands in host byte order, as an RNIC's DMA leaves it
+
+
+def atomics_answered(qp: Any, data: bytes, off: int, seg: int, k: int, msn: int) -> int:
+    """Complete the atomics at the ORRQ head that the first of the ``k``
+    whole Atomic Responses the lane took at ``data[off:]`` (``seg`` bytes
+    apart, MSN by MSN from ``msn``) answer, as ``Completer.on_atomic_response``
+    does, while each answers the atomic at the head and its sink is one
+    8-byte piece; return how many (the rest, a mismatch's Terminate
+    included, are the Python path's)."""
+    orrq = qp.orrq
+    if qp.state not in RECEIVING or qp.link is None or qp.link.link.multipath:
+        return 0
+    at = off + _BODY_AT
+    unpack = _RESPONSE.unpack_from
+    pack = _HOST_U64.pack_into
+    i = 0
+    while i < k and orrq:
+        rd = orrq[0]
+        if type(rd) is not PendingAtomic:
+            break
+        req_id, orig = unpack(data, at)
+        pieces = rd.gather.pieces
+        if req_id != rd.req_id or len(pieces) != 1 or pieces[0][2] != 8:
+            break
+        view, base, _ = pieces[0]
+        pack(view, base, orig)
+        orrq.popleft()
+        rd.wr.done = True
+        at += seg
+        i += 1
+    if i:
+        qp.rx_atomic_resp_msn = (msn + i) & U32
+        qp.device.stats["rx_atomic_responses_batched"] += i
+    return i

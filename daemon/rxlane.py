@@ -48,7 +48,7 @@ from .opcodes import (
     SEND_OPCODE,
     U32,
 )
-from .atombatch import AtomicScratch, answer_atomics
+from .atombatch import AtomicScratch, answer_atomics, atomics_answered
 from .peer import PeerLink
 from .records import PendingRead
 from .responder import ATOMIC_REPLAY
@@ -359,7 +359,9 @@ class ReceiveLane:
                     sched.qp_changed(qp)  # the Read completes
                     sched.complete_done(qp)
             elif op == OP_ATOMIC_RESPONSE:
-                self.take_whole(qp, op, msn, data, off, seg, k)  # type: ignore[arg-type]
+                j = atomics_answered(qp, data, off, seg, k, msn)  # type: ignore[arg-type]
+                if j < k:
+                    self.take_whole(qp, op, (msn + j) & U32, data, off + j * seg, seg, k - j)  # type: ignore[arg-type]
                 sched.complete_done(qp)
             pl.link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
                                       r.last_ts, r.last_rwnd, r.flags_or, now, arrived, path,

@@ -2,7 +2,8 @@
 
 Two requesting devices built from the same seed, one with the compiled
 lanes (where an ORD window of atomic WQEs that are alike is taken off the
-SQ and built into Atomic Requests in one call) and one without, are given
+SQ and built into Atomic Requests in one call, and a GRO batch of their
+Atomic Responses completed in one loop) and one without, are given
 the same WQEs: Fetch-and-Adds and Compare-and-Swaps, signaled or not, mixed
 with Reads and with WQEs the take must leave to the per-WQE path (a fence,
 a sink of two SGEs or of 4 bytes) and with faults (an unknown lkey, a sink
@@ -23,8 +24,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from udpverbs.bench.inprocess import MR_LEN, Host
 from udpverbs.daemon.policy import IN_PASS_ORDER
-from udpverbs.wire import native, shm
-from udpverbs.wire.shm import SendFlags as F, WcStatus as W, WrOpcode
+from udpverbs.wire import native, rdmap, shm
+from udpverbs.wire.shm import QPState as S, SendFlags as F, WcStatus as W, WrOpcode
 
 from .twins import close_all, twins, twins_round
 
@@ -57,12 +58,13 @@ def _post(host: Host, peer: Host, wr_id: int, op: str, kind: str, word: int, ope
     ring.publish()
 
 
-def _stream(seed: int, runs: list[tuple[str, str, int]], loss: float) -> tuple[Host, Host, Host, list[tuple[int, ...]]]:
+def _stream(seed: int, runs: list[tuple[str, str, int]], loss: float,
+            peer_native: bool = True) -> tuple[Host, Host, Host, list[tuple[int, ...]]]:
     """Post ``runs`` ((operation, kind, how many)) on both twins (at most
     60 WQEs); turn until every WR completed; return the hosts and the CQEs."""
     rng = random.Random(seed)
     fast, slow = (Host("127.0.0.2", gso=True, native=on, policy=IN_PASS_ORDER) for on in (True, False))
-    peer = Host("127.0.0.3", gso=False, native=True, policy=IN_PASS_ORDER)
+    peer = Host("127.0.0.3", gso=False, native=peer_native, policy=IN_PASS_ORDER)
     clock, pp, pf, ps = twins(peer, fast, slow)
     for h in (fast, slow):
         h.qp.attrs["max_rd_atomic"] = _ORD
@@ -107,6 +109,7 @@ def test_an_ord_window_of_atomics_is_taken_in_batches(op: str) -> None:
     try:
         assert [c[:2] for c in cqes] == [(i, W.IBV_WC_SUCCESS) for i in range(60)]
         assert fast.dev.stats["tx_batched_atomics"] >= 40 and "tx_batched_atomics" not in slow.dev.stats
+        assert fast.dev.stats["rx_atomic_responses_batched"] >= 40
         assert bytes(fast.mr.view[_SINK_AT:_SINK_AT + 480]) != bytes(480)  # the original values landed
     finally:
         close_all(fast, slow, peer)
@@ -122,5 +125,22 @@ def test_a_wqe_the_take_leaves_behind_ends_alike(kind: str) -> None:
             assert set(statuses.values()) == {W.IBV_WC_SUCCESS} and len(statuses) == (20 if kind == "unsignaled" else 21)
         else:
             assert statuses[10] != W.IBV_WC_SUCCESS and fast.qp.state == slow.qp.state
+    finally:
+        close_all(fast, slow, peer)
+
+
+def test_a_response_to_another_request_ends_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a responder that answers the 31st request with another's identifier:
+    # the batch stops there and the usual path's Terminate ends the QP
+    encode = rdmap.encode_atomic_response
+
+    def forged(a: rdmap.AtomicResponse) -> bytes:
+        return encode(a._replace(req_id=a.req_id + 1) if a.req_id == 30 else a)
+
+    monkeypatch.setattr(rdmap, "encode_atomic_response", forged)
+    fast, slow, peer, cqes = _stream(5, [("fadd", "", 60)], 0.0, peer_native=False)
+    try:
+        assert fast.dev.stats["rx_atomic_responses_batched"] >= 10
+        assert W.IBV_WC_BAD_RESP_ERR in dict(c[:2] for c in cqes).values() and fast.qp.state == S.IBV_QPS_ERR
     finally:
         close_all(fast, slow, peer)
