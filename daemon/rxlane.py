@@ -40,6 +40,7 @@ from ..wire import link as wire_link
 from ..wire.rdmap import Opcode
 from .opcodes import (
     ANSWERED_BY_DAEMON,
+    OP_ATOMIC_REQUEST,
     OP_ATOMIC_RESPONSE,
     OP_READ_RESPONSE,
     OP_WRITE,
@@ -47,8 +48,10 @@ from .opcodes import (
     SEND_OPCODE,
     U32,
 )
+from .atombatch import AtomicScratch, answer_atomics, atomics_answered
 from .peer import PeerLink
 from .records import PendingRead
+from .responder import ATOMIC_REPLAY
 from .rxsends import SendBatch, more_sends
 from .udp import RX_BUF
 
@@ -137,6 +140,7 @@ class ReceiveLane:
         self.recv = ffi.new("udpv_rx_recv *")  # the armed read's socket and source (Receiver.read_armed)
         self.buf = ffi.new("uint8_t[]", RX_BUF)
         self.sends = SendBatch(native)  # (rxsends.py)
+        self.atomics = AtomicScratch(native)  # (atombatch.py)
         # the lane's memory for whole requests and Atomic Responses: none
         # (the QP reads them in the datagram)
         self.no_mem = ffi.cast("uint8_t *", 0)
@@ -355,7 +359,9 @@ class ReceiveLane:
                     sched.qp_changed(qp)  # the Read completes
                     sched.complete_done(qp)
             elif op == OP_ATOMIC_RESPONSE:
-                self.take_whole(qp, op, msn, data, off, seg, k)  # type: ignore[arg-type]
+                j = atomics_answered(qp, data, off, seg, k, msn)  # type: ignore[arg-type]
+                if j < k:
+                    self.take_whole(qp, op, (msn + j) & U32, data, off + j * seg, seg, k - j)  # type: ignore[arg-type]
                 sched.complete_done(qp)
             pl.link.data_run_received(k, r.first_ack, r.first_ts, r.first_echo, r.first_rwnd, r.first_flags,
                                       r.last_ts, r.last_rwnd, r.flags_or, now, arrived, path,
@@ -395,7 +401,11 @@ class ReceiveLane:
             sched.delivered = True  # the original values are in the application's memory
             sched.delivered_to = qp
         else:
-            at = self.take_whole(qp, op, msn, data, off, seg, k)
+            # an ORD window of atomics: applied and answered in one call, as far as alike
+            j = answer_atomics(qp, self.atomics, data, off, seg, k, msn, ATOMIC_REPLAY) if op == OP_ATOMIC_REQUEST \
+                else 0
+            at = self.take_whole(qp, op, (msn + j) & U32, data, off + j * seg, seg, k - j) if j < k \
+                else off + k * seg if off + k * seg < end else end
             self.stats["rx_native_requests"] += k
             if k == 1 and at >= end and self.eager_answers:
                 # A lone request, the last of what this receive brought

@@ -40,7 +40,9 @@ from typing import Any
 from ..transport.link import run_slots
 from ..wire import segment, shm
 from ..wire.rdmap import Opcode
+from .atombatch import SQScratch, take_atomics
 from .opcodes import (
+    ATOMIC_WR,
     SEND_INLINE,
     SEND_OPCODE,
     SEND_SIGNALED,
@@ -70,17 +72,14 @@ MAX_BATCH = 64
 _NONE = (0, 0)
 
 
-class BatchScratch:
+class BatchScratch(SQScratch):
     """One QP's descriptor and per-WQE outputs for ``udpv_tx_take_small``."""
 
-    __slots__ = ("ffi", "lib", "t", "hdr", "more", "wr_id", "raddr", "rkey", "src_off", "signaled", "alloc", "ring")
+    __slots__ = ("more", "wr_id", "raddr", "rkey", "src_off", "signaled")
 
     def __init__(self, native: Any) -> None:
-        ffi = native.ffi
-        self.ffi = ffi
-        self.lib = native.lib
-        t = self.t = ffi.new("udpv_tx_take *")
-        self.hdr = ffi.buffer(t.hdr)
+        super().__init__(native, "udpv_tx_take *")
+        ffi, t = self.ffi, self.t
         self.more = ffi.buffer(t.more)
         # the arrays live as long as this object: t only points at them
         self.wr_id = t.wr_id = ffi.new("uint64_t[]", MAX_BATCH)
@@ -92,15 +91,6 @@ class BatchScratch:
         t.flags_ok = _FLAGS_OK
         t.inline_flag = SEND_INLINE
         t.signaled_flag = SEND_SIGNALED
-        # a run's buffer is not zeroed: every byte a packet takes is written before it leaves
-        self.alloc = ffi.new_allocator(should_clear_after_alloc=False)
-        self.ring: Any = None  # the SQ whose slots t points at
-
-    def point_at(self, sq: shm.Ring) -> None:
-        """Point the descriptor at ``sq``'s slots (they never move while the QP lives)."""
-        if self.ring is not sq:
-            self.t.slots = self.ffi.cast("uint8_t *", int(shm.ffi.cast("uintptr_t", sq._slots)))
-            self.ring = sq
 
 
 class TxBatch:
@@ -119,11 +109,17 @@ class TxBatch:
             avail = sq.available()
         except shm.RingError:
             return _NONE  # the per-WQE path reports it
-        if avail < 2 or room < 2 or pl.link.multipath:  # several paths: the general path
+        if avail < 2 or pl.link.multipath:  # several paths: the general path
             return _NONE
         buf = sq.buf
         at = sq.slot_offset()
         opcode, flags, num_sge = _OP_FLAGS_NSGE.unpack_from(buf, at + _OP_AT)
+        if opcode in ATOMIC_WR:
+            # an ORD window (atombatch.py): requests are held for one run,
+            # not counted as segments, as start_next's are
+            return (take_atomics(self, pl, opcode, wqes, avail), 0) if not flags & ~SEND_SIGNALED else _NONE
+        if room < 2:
+            return _NONE
         if opcode == WR_WRITE:
             untagged, max_len = False, pl.max_data
         elif opcode == _WR_SEND and not self.flow_ack_due:

@@ -63,8 +63,11 @@ are alike and builds their segments into run slots, as ``udpv_tx_bodies``
 does one message's (``daemon/txbatch.py``); ``udpv_rx_send_batch`` runs
 the receive lane over a buffer of one-segment Sends, one message a call,
 each into the next posted receive, and writes their CQEs
-(``daemon/rxsends.py``).  Both stop at the first item that is not like
-the others, and Python takes it.
+(``daemon/rxsends.py``); ``udpv_atomic_batch`` applies a GRO batch of
+Atomic Requests to one region and builds their Atomic Responses into run
+slots, and ``udpv_atomic_take`` takes an ORD window of atomic WQEs off an
+SQ and builds their Atomic Requests the same way (``daemon/atombatch.py``).  All stop at the first item that is not
+like the others, and Python takes it.
 
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
 idle QPs have new WQEs, comparing producer and consumer index in each SQ's
@@ -204,11 +207,38 @@ typedef struct {
 
 size_t udpv_rx_send_batch(udpv_rx_sends *s, udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg,
                           uint8_t *mem);
+
+typedef struct {
+    uint32_t stag;
+    uint64_t base, len;
+    uint8_t hdr[32];
+    uint32_t prefix, msn;
+} udpv_atomics;
+
+size_t udpv_atomic_batch(udpv_atomics *a, const uint8_t *buf, size_t k, size_t seg, uint8_t *mem, uint8_t *out,
+                         size_t spacing);
+
+typedef struct {
+    const uint8_t *slots;
+    uint32_t cons, mask, entry_size, sg_at, avail;
+    uint32_t opcode, flags_ok, signaled_flag, sig_all;
+    uint32_t lkey;
+    uint64_t addr, len;
+    uint8_t hdr[32];
+    uint32_t prefix, msn, req_id, aop;
+    uint64_t *wr_id, *raddr, *sink_off;
+    uint32_t *rkey;
+    uint8_t *signaled;
+} udpv_atomic_wqes;
+
+size_t udpv_atomic_take(udpv_atomic_wqes *t, uint8_t *out, size_t max, size_t spacing);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")
 #: compiled after ``_native.c``, in the same unit (it uses that file's helpers)
 _BATCH_SOURCE = _SOURCE.with_name("_native_batch.c")
+#: and after it, the same way
+_ATOMIC_SOURCE = _SOURCE.with_name("_native_atomic.c")
 _loaded: ModuleType | None = None
 _tried = False
 
@@ -241,7 +271,7 @@ def build(target_dir: pathlib.Path) -> pathlib.Path:
     """
     import cffi
 
-    source = _SOURCE.read_text() + _BATCH_SOURCE.read_text()
+    source = _SOURCE.read_text() + _BATCH_SOURCE.read_text() + _ATOMIC_SOURCE.read_text()
     name = _module_name(source)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     final = target_dir / (name + suffix)

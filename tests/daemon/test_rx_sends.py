@@ -21,11 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from udpverbs.bench.inprocess import MR_LEN, Host
-from udpverbs.daemon.policy import IN_PASS_ORDER
 from udpverbs.wire import native, shm
 from udpverbs.wire.shm import QPState as S, SendFlags as F, WrOpcode
 
-from .twins import link_state, mangle, receive_all, turn, twins
+from .twins import assert_twins_agree, close_all, turn, twins, twins_answer, with_twins
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -68,14 +67,7 @@ def _stream(seed: int, sends: list[tuple[int, str]], loss: float, gro: float,
     """A Sends ``sends`` ((length, kind)) to both receivers (``armed``:
     whose CQs are armed for every completion); returns A and them."""
     rng = random.Random(seed)
-    a = Host("127.0.0.2", gso=True, policy=IN_PASS_ORDER)
-    fast, slow = (Host("127.0.0.3", gso=False, native=on, policy=IN_PASS_ORDER) for on in (True, False))
-    try:
-        return _exchange(rng, a, fast, slow, sends, loss, gro, armed)
-    except BaseException:
-        for h in (a, fast, slow):
-            h.close()
-        raise
+    return with_twins(lambda a, fast, slow: _exchange(rng, a, fast, slow, sends, loss, gro, armed))
 
 
 def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, sends: list[tuple[int, str]], loss: float,
@@ -109,33 +101,17 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, sends: list[t
         held += turn(a, pa, now)
         if rng.random() < 0.3:
             continue
-        receives = mangle(held, rng, loss, gro)
+        twins_answer(held, (a, fast, slow), (pa, pf, ps), rng, loss, gro, now)
         held = []
-        receive_all(fast, pf, receives, now)
-        receive_all(slow, ps, receives, now)
-        out_f, out_s = turn(fast, pf, now), turn(slow, ps, now)
-        assert out_f == out_s  # the same ACKs, Modified ACKs, NACKs, Terminates
-        assert link_state(pf) == link_state(ps)
-        receive_all(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
         done += a.completions()
         cqes = fast.cqes()
         assert cqes == slow.cqes()  # every field
         replies += len(cqes)
         if len(done) == len(sends) and replies >= len(sends) or a.qp.state == S.IBV_QPS_ERR and step > 100:
             break
-    assert bytes(fast.mr.view) == bytes(slow.mr.view)
-    assert pf.link.stats.as_dict() == ps.link.stats.as_dict()
-    assert fast.qp.state == slow.qp.state
+    assert_twins_agree(fast, slow, pf, ps, ("rx_native_datagrams", "rx_native_sends", "rx_batched_sends"))
     assert (fast.qp.rx_msn, fast.qp.recv_ring.cons) == (slow.qp.rx_msn, slow.qp.recv_ring.cons)
-    lane = {k: fast.dev.stats.pop(k, 0) for k in ("rx_native_datagrams", "rx_native_sends", "rx_batched_sends")}
-    assert +fast.dev.stats == +slow.dev.stats
-    fast.dev.stats.update(lane)
     return a, fast, slow
-
-
-def _close(*hosts: Host) -> None:
-    for h in hosts:
-        h.close()
 
 
 _SEND = st.tuples(st.sampled_from([0, 1, 64, 700, 1024, 1400, 3000]),
@@ -148,7 +124,7 @@ _SEND = st.tuples(st.sampled_from([0, 1, 64, 700, 1024, 1400, 3000]),
        loss=st.sampled_from([0.0, 0.0, 0.02, 0.1]), gro=st.sampled_from([0.7, 1.0]))
 def test_the_send_batch_and_the_usual_path_agree(seed: int, sends: list[tuple[int, str]], loss: float,
                                                   gro: float) -> None:
-    _close(*_stream(seed, sends, loss, gro))
+    close_all(*_stream(seed, sends, loss, gro))
 
 
 @pytest.mark.parametrize("size", [1, 64, 1024])
@@ -162,7 +138,7 @@ def test_a_stream_of_small_sends_is_completed_in_batches(size: int) -> None:
             at, src = _RECV_AT + i * _RECV_STRIDE, 4096 * i + 7
             assert bytes(fast.mr.view[at:at + size]) == bytes(a.mr.view[src:src + size])
     finally:
-        _close(a, fast, slow)
+        close_all(a, fast, slow)
 
 
 @pytest.mark.parametrize("kind", ["se", "imm", "too_long", "late", "bad_lkey"])
@@ -178,7 +154,7 @@ def test_a_send_the_batch_leaves_behind_ends_alike(kind: str) -> None:
             # the receive's error completes it and fails the QP; the sender learns by Terminate
             assert fast.qp.state == S.IBV_QPS_ERR and a.qp.state == S.IBV_QPS_ERR
     finally:
-        _close(a, fast, slow)
+        close_all(a, fast, slow)
 
 
 def test_an_armed_cq_is_woken_alike() -> None:
@@ -189,4 +165,4 @@ def test_an_armed_cq_is_woken_alike() -> None:
         wakes = [os.eventfd_read(h.cq.eventfd) for h in (fast, slow)]
         assert wakes[0] == wakes[1] > 0
     finally:
-        _close(a, fast, slow)
+        close_all(a, fast, slow)

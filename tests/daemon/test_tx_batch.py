@@ -15,6 +15,7 @@ have written the same CQEs; at the end the receiver holds what was sent.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -24,7 +25,7 @@ from udpverbs.daemon.policy import IN_PASS_ORDER
 from udpverbs.wire import native, shm
 from udpverbs.wire.shm import SendFlags as F, WcStatus as W, WrOpcode
 
-from .twins import carry, link_state, turn, twins
+from .twins import twins, twins_round
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -59,6 +60,10 @@ def _post(host: Host, peer: Host, wr_id: int, opcode: int, flags: int, payload: 
             shm.SGE.pack_into(ring.buf, at + shm.SEND_WQE_SG_OFFSET + i * shm.SGE_SIZE, addr, n, lkey)
     ring.push()
     ring.publish()
+
+
+def _q0_state(qp: Any) -> tuple[int, int, int]:
+    return qp.send_msn, qp.q0_cursor, len(qp.q0)
 
 
 #: a run of alike messages: (Send?, length, inline?, extra flags, fault, how many)
@@ -98,8 +103,7 @@ def _stream(seed: int, runs: list[tuple[bool, int, bool, int, str, int]], late_r
     for w in wqes:
         for h in (fast, slow):
             _post(h, peer, *w[:3], w[3], w[4], w[5])  # type: ignore[arg-type]
-    cqes_f: list[tuple[int, ...]] = []
-    cqes_s: list[tuple[int, ...]] = []
+    cqes: tuple[list[tuple[int, ...]], list[tuple[int, ...]]] = ([], [])
     held: list[bytes] = []
     late = len(sends) - late_recvs
     for step in range(3000):
@@ -107,24 +111,10 @@ def _stream(seed: int, runs: list[tuple[bool, int, bool, int, str, int]], late_r
         if step == 40:
             for i in range(max(0, late), len(sends)):
                 peer.post_recv(1000 + i, _RECV_AT + i * _RECV_LEN, _RECV_LEN)
-        out_f, out_s = turn(fast, pf, clock[0], fast.dev.clock), turn(slow, ps, clock[0], slow.dev.clock)
-        assert out_f == out_s  # the same datagrams, byte for byte
-        assert link_state(pf) == link_state(ps)
-        assert pf.link.recovery.in_flight() == ps.link.recovery.in_flight()
-        assert fast.qp.state == slow.qp.state
-        assert (fast.qp.send_msn, fast.qp.q0_cursor, len(fast.qp.q0)) == \
-            (slow.qp.send_msn, slow.qp.q0_cursor, len(slow.qp.q0))
-        held += out_f
-        if rng.random() < 0.3:
-            continue
-        carry(peer, pp, held, ((fast, pf), (slow, ps)), rng, loss, clock[0])
-        held = []
-        cqes_f += fast.cqes()
-        cqes_s += slow.cqes()
-        assert cqes_f == cqes_s
-        peer.cqes()
-        if len(cqes_f) == len(wqes) and step > 40:
+        held = twins_round((fast, slow, peer), (pf, ps, pp), held, cqes, rng, loss, clock[0], _q0_state)
+        if len(cqes[0]) == len(wqes) and step > 40:
             break
+    cqes_f = cqes[0]
     assert sorted(c[0] for c in cqes_f) == list(range(len(wqes)))
     return fast, slow, peer, cqes_f
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from udpverbs.bench.inprocess import Host
@@ -138,3 +139,82 @@ def twins(peer: Host, fast: Host, slow: Host) -> tuple[list[float], Any, Any, An
     peer_addr = (peer.dev.config.addr, peer.dev.config.port)
     return (clock, peer.dev.links[(fast.dev.config.addr, fast.dev.config.port)], fast.dev.links[peer_addr],
             slow.dev.links[peer_addr])
+
+
+def with_twins(exchange: Callable[[Host, Host, Host], tuple[Host, Host, Host]]) -> tuple[Host, Host, Host]:
+    """Make a peer A and twins (``fast`` with the compiled lanes, ``slow``
+    without) and run ``exchange(a, fast, slow)``; on failure close all three."""
+    a = Host("127.0.0.2", gso=True, policy=IN_PASS_ORDER)
+    fast, slow = (Host("127.0.0.3", gso=False, native=on, policy=IN_PASS_ORDER) for on in (True, False))
+    try:
+        return exchange(a, fast, slow)
+    except BaseException:
+        for h in (a, fast, slow):
+            h.close()
+        raise
+
+
+def assert_twins_agree(fast: Host, slow: Host, pf: Any, ps: Any, lane: tuple[str, ...]) -> None:
+    """At the end of an exchange: the twins hold the same memory, link
+    counters, QP state and device counters (but the ``lane`` counters only
+    the fast one keeps)."""
+    assert bytes(fast.mr.view) == bytes(slow.mr.view)
+    assert pf.link.stats.as_dict() == ps.link.stats.as_dict()
+    assert fast.qp.state == slow.qp.state
+    kept = {k: fast.dev.stats.pop(k, 0) for k in lane}
+    assert +fast.dev.stats == +slow.dev.stats
+    fast.dev.stats.update(kept)
+
+
+def close_all(*hosts: Host) -> None:
+    for h in hosts:
+        h.close()
+
+
+def twins_answer(held: list[bytes], hosts: tuple[Host, Host, Host], links: tuple[Any, Any, Any],
+                 rng: random.Random, loss: float, gro: float, now: float) -> None:
+    """One round of the network for a peer A and twins (``hosts``, their
+    ``links``): ``held`` (what A sent) reaches both twins, mangled, and they
+    must answer alike (bytes and link state); the fast one's answer reaches A."""
+    a, fast, slow = hosts
+    pa, pf, ps = links
+    receives = mangle(held, rng, loss, gro)
+    receive_all(fast, pf, receives, now)
+    receive_all(slow, ps, receives, now)
+    out_f, out_s = turn(fast, pf, now), turn(slow, ps, now)
+    assert out_f == out_s  # the same answers, ACKs, Modified ACKs, NACKs, Terminates
+    assert link_state(pf) == link_state(ps)
+    receive_all(a, pa, [(d, len(d)) for d in out_f if rng.random() >= loss], now)
+
+
+def twins_send(fast: Host, slow: Host, pf: Any, ps: Any, now: float) -> list[bytes]:
+    """A pass of two sending twins: they must send the same datagrams, byte
+    for byte, and be in the same link and QP state; return what they sent."""
+    out_f, out_s = turn(fast, pf, now, fast.dev.clock), turn(slow, ps, now, slow.dev.clock)
+    assert out_f == out_s  # the same datagrams, byte for byte
+    assert link_state(pf) == link_state(ps)
+    assert pf.link.recovery.in_flight() == ps.link.recovery.in_flight()
+    assert fast.qp.state == slow.qp.state
+    return out_f
+
+
+def twins_round(hosts: tuple[Host, Host, Host], links: tuple[Any, Any, Any], held: list[bytes],
+                cqes: tuple[list[tuple[int, ...]], list[tuple[int, ...]]], rng: random.Random, loss: float,
+                now: float, state: Callable[[Any], tuple[Any, ...]]) -> list[bytes]:
+    """A pass of two sending twins (``twins_send``; ``state`` of each QP
+    must agree too) talking to a peer (``hosts``: fast, slow, peer; their
+    ``links``): now and then what they held reaches the peer and its answer
+    both, and the CQEs they then wrote (added to ``cqes``) must agree.
+    Returns what is held for the next pass."""
+    fast, slow, peer = hosts
+    pf, ps, pp = links
+    held = held + twins_send(fast, slow, pf, ps, now)
+    assert state(fast.qp) == state(slow.qp)
+    if rng.random() < 0.3:
+        return held
+    carry(peer, pp, held, ((fast, pf), (slow, ps)), rng, loss, now)
+    cqes[0].extend(fast.cqes())
+    cqes[1].extend(slow.cqes())
+    assert cqes[0] == cqes[1]
+    peer.cqes()
+    return []
