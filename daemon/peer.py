@@ -318,6 +318,8 @@ class PeerLink:
         """Put the requests ``send_request`` holds on the link, in order
         (dropped if the link has ended since: its QPs fail with it)."""
         requests = self.requests
+        if not requests:
+            return
         self.requests = []
         if self.link.state >= LinkState.CLOSED:
             return
