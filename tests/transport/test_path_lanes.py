@@ -117,7 +117,7 @@ def _tick(links: tuple[Link, ...], t: float) -> None:
             link.timer_fired(t)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), steps=st.integers(20, 100))
 def test_runs_framed_per_path_are_the_schedulers_packets(seed: int, steps: int) -> None:
     py, fr = _multipath(seed, None), _multipath(seed, native.load())

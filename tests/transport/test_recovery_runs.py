@@ -35,7 +35,7 @@ def _same(rec: Recovery, model: PacketRecovery) -> None:
         assert bytes(rec.message(n)) == bytes(payload)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data(), threshold=st.integers(1, 4), timed=st.booleans())
 def test_runs_answer_as_packets_do(data: st.DataObject, threshold: int, timed: bool) -> None:
     # timed: the clock moves and RTT samples come (RACK's time rule, the
