@@ -121,7 +121,7 @@ def _send_messages(lp: Link, la: Link, t: float, rng: random.Random) -> tuple[li
     return out_plain, out_alone, went
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), steps=st.integers(20, 120))
 def test_sending_alone_leaves_the_link_as_the_usual_path_does(seed: int, steps: int) -> None:
     sent_alone = _twins_agree(seed, steps, _send_messages)
@@ -203,7 +203,7 @@ def _send_runs(lp: Link, la: Link, t: float, rng: random.Random) -> tuple[list[b
 
 
 @pytest.mark.skipif(native.load() is None, reason="no C compiler here: runs are framed in Python")
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), steps=st.integers(20, 120))
 def test_a_run_sent_alone_leaves_the_link_as_the_usual_path_does(seed: int, steps: int) -> None:
     # As above, with runs of messages (``send_run``) beside single ones: a

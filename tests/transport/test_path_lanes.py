@@ -117,7 +117,7 @@ def _tick(links: tuple[Link, ...], t: float) -> None:
             link.timer_fired(t)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), steps=st.integers(20, 100))
 def test_runs_framed_per_path_are_the_schedulers_packets(seed: int, steps: int) -> None:
     py, fr = _multipath(seed, None), _multipath(seed, native.load())
@@ -213,7 +213,7 @@ def _batches(due: list[tuple[float, int, bytes]]) -> list[tuple[int, list[bytes]
     return [(pid, ds) for _, pid, ds in out]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), steps=st.integers(20, 100), loss=st.sampled_from([0.0, 0.03, 0.1]))
 def test_runs_received_per_path_leave_the_link_as_each_datagram_does(seed: int, steps: int, loss: float) -> None:
     # b takes each datagram alone; its twin c, runs where the lane would.
