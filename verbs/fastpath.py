@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
-import logging
 import os
 import pathlib
 import sys
@@ -38,7 +37,6 @@ from types import ModuleType
 
 from ..wire import native, shm
 
-log = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).with_name("_fastpath.c")
 _PREFIX = "_udpverbs_fastpath_"
@@ -87,15 +85,7 @@ def build(target_dir: pathlib.Path) -> pathlib.Path:
 def load() -> ModuleType | None:
     """The compiled module, or None if disabled or not buildable (built once per process)."""
     global _loaded, _tried
-    if _tried:
-        return _loaded
-    _tried = True
-    if os.environ.get("UDPVERBS_NATIVE", "1") == "0":
-        return None
-    try:
-        path = build(native.cache_dir())
-        _loaded = native._import(path.name.split(".")[0], path)
-    except Exception as e:  # no compiler, no Python headers, read-only home...
-        log.warning("compiled post and poll unavailable (%s): using the Python path", e)
-        _loaded = None
+    if not _tried:
+        _tried = True
+        _loaded = native.build_and_import(build, "compiled post and poll")
     return _loaded

@@ -95,6 +95,7 @@ import sys
 import sysconfig
 import tempfile
 from types import ModuleType
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -297,16 +298,22 @@ def load() -> ModuleType | None:
     Built once per process; a failure is logged once and not retried.
     """
     global _loaded, _tried
-    if _tried:
-        return _loaded
-    _tried = True
+    if not _tried:
+        _tried = True
+        _loaded = build_and_import(build, "compiled lanes")
+    return _loaded
+
+
+def build_and_import(builder: Callable[[pathlib.Path], pathlib.Path], what: str) -> ModuleType | None:
+    """Build an extension with ``builder`` into :func:`cache_dir` and import
+    it; None with ``UDPVERBS_NATIVE=0``, or if it cannot be built (logged,
+    naming ``what``): every compiled part has a Python path beside it."""
     if os.environ.get("UDPVERBS_NATIVE", "1") == "0":
         return None
     try:
-        path = build(cache_dir())
-        _loaded = _import(path.name.split(".")[0], path)
+        path = builder(cache_dir())
+        return _import(path.name.split(".")[0], path)
     except Exception as e:  # no compiler, no Python headers, read-only home...
-        log.warning("compiled lanes unavailable (%s): using the Python path", e)
-        _loaded = None
-    return _loaded
+        log.warning("%s unavailable (%s): using the Python path", what, e)
+        return None
 
