@@ -28,6 +28,7 @@ from udpverbs.verbs.enums import IBV_SEND_SIGNALED, IBV_WC_SUCCESS, IBV_WR_RDMA_
 
 from .conftest import Side, connect_manual
 from .daemons import DaemonProc, running
+from .test_multipath import path_figures
 
 MIB = 1 << 20
 TOTAL = 256 * MIB
@@ -64,12 +65,6 @@ def stream(a: Side, b: Side, opcode: int, a_off: int, total: int, deadline_s: fl
         for wc in a.cq.poll_blocking(1, timeout=left):
             assert wc.status == IBV_WC_SUCCESS, wc
             done += 1
-
-
-def path_figures(ctx: verbs.Context, local: str, remote: str) -> dict[str, int]:
-    """The figures ``ctx.query_stats()`` gives for the path ``local`` -> ``remote`` (``ip:port`` each)."""
-    prefix = f"path_{local}_{remote}_"
-    return {k.removeprefix(prefix): v for k, v in ctx.query_stats().items() if k.startswith(prefix)}
 
 
 def digest(mr: verbs.MR, start: int, n: int) -> bytes:
