@@ -55,6 +55,10 @@ CLIENT_IP = "127.0.0.3"
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
 REPORT_GRACE_S = 1.0  # a failed run: how long the server may take to say why it failed
+#: A finished client: how long the server may take to check its side and
+#: close.  Not a speed limit but a hang guard: on a loaded host closing a
+#: context after a sweep has taken over 5 s.
+SERVER_EXIT_S = 30.0
 
 
 class LocalRunError(Exception):

@@ -68,7 +68,7 @@ def one_run(pair: NamespacePair, paths: int, perf_args: Sequence[str]) -> float:
             if client.returncode != 0:
                 raise MultipathRunError(f"write_bw over {paths} path(s) failed: {client.stderr.strip()}")
             rows = [json.loads(line) for line in client.stdout.splitlines() if line.startswith("{")]
-            if local.wait_process(server.proc, local.STOP_GRACE_S) != 0:
+            if local.wait_process(server.proc, local.SERVER_EXIT_S) != 0:
                 raise MultipathRunError(f"the server over {paths} path(s) failed")
             return float(rows[-1]["bw_avg_MBps"])
         except local.LocalRunError as e:

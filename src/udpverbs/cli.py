@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import signal
 import sys
 from typing import Callable, Sequence, TextIO
 
@@ -536,10 +537,11 @@ def run_local(params: PerfParams, *, json_out: bool, progress, out: TextIO | Non
                 cpus=placement.describe(daemons=not params.baseline_only) if placement else "not pinned",
                 output=output,
             )
-        status = local.wait_process(server.proc, local.STOP_GRACE_S)
+        status = local.wait_process(server.proc, local.SERVER_EXIT_S)
         server = None
         if status != 0:
-            raise local.LocalRunError(f"the server side exited with status {status}")
+            raise local.LocalRunError(f"the server side exited with status {status}" + (
+                f": it had not finished {local.SERVER_EXIT_S:g} s after the client" if status == -signal.SIGTERM else ""))
         return rows
     finally:
         if server is not None:
