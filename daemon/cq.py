@@ -83,13 +83,14 @@ class CompletionQueue:
         self._publish(solicited or status != 0)
         return True
 
-    def pushed(self, count: int) -> None:
-        """``count`` successful, unsolicited CQEs were written after the
-        producer index (by the compiled Send batch, within ``ring.free()``):
-        publish them and wake a waiter as ``push`` does."""
+    def pushed(self, count: int, solicited: bool = False) -> None:
+        """``count`` successful CQEs (unsolicited, unless ``solicited``) were
+        written after the producer index (by the compiled Send batch or the
+        armed read, within ``ring.free()``): publish them and wake a waiter
+        as ``push`` does."""
         r = self.ring
         r.prod = (r.prod + count) & _U32
-        self._publish(False)
+        self._publish(solicited)
 
     def _publish(self, wakes: bool) -> None:
         """Publish the producer index; wake a waiter if the CQ is armed for

@@ -313,7 +313,10 @@ class Receiver:
             self.stats["rx_armed_stale"] += 1
             return _RX_READY if self.udp.readable() else 0
         rx = lane.recv
-        k = lane.lib.udpv_rx_recv_run(rx, lane.run, lane.buf, RX_BUF, mem)
+        if lane.cqe_armed:
+            k = lane.read_send(setup.qp.recv_cq, mem)  # and the receive's CQE
+        else:
+            k = lane.lib.udpv_rx_recv_run(rx, lane.run, lane.buf, RX_BUF, mem)
         if k < 0:
             if rx.err == errno.EAGAIN or rx.err == errno.EINTR:
                 return 0  # still armed

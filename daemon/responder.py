@@ -332,13 +332,18 @@ class Responder:
             self.srq.took_one()
 
     def _finish_receive(self, status: int, opcode: int, byte_len: int, imm: int = 0, flags: int = 0,
-                        solicited: bool = False) -> None:
+                        solicited: bool = False, written: bool = False) -> None:
+        """Complete the receive under way; ``written``: its (successful)
+        CQE is in the ring already, written by the armed read."""
         wr_id, _ = self.rx_recv  # type: ignore[misc]
         self.rx_recv = None
         self.rx_imm_pending = False
         self.rx_msn = (self.rx_msn + 1) & U32
         if status == WC_SUCCESS:
             self.flow_ack_due = True  # Modified ACK: the sender may complete the WR
+        if written:
+            self.recv_cq.pushed(1, solicited)
+            return
         self.recv_cq.push(wr_id, status, opcode, byte_len if status == 0 else 0, self.qpn, self.dest_qpn,
                           imm, flags, solicited=solicited)
 
@@ -509,16 +514,17 @@ class Responder:
         """The lane placed ``nbytes`` of RDMA Writes (counted for a Write with Immediate's receive)."""
         self.rx_write_bytes += nbytes
 
-    def sends_placed(self, op: int, recv: tuple[int, Gather | None], nbytes: int, ended: bool) -> None:
+    def sends_placed(self, op: int, recv: tuple[int, Gather | None], nbytes: int, ended: bool,
+                     written: bool = False) -> None:
         """The lane placed ``nbytes`` of Send segments into ``recv`` (which
         ``send_target`` named): take it from the ring if the run started it,
         and complete it if the run ended a plain Send (or Send with
-        Solicited Event) ``op``."""
+        Solicited Event) ``op`` (``written``: the armed read wrote its CQE)."""
         if recv is not self.rx_recv:
             self.take_receive(recv)
         self.rx_placed += nbytes
         if ended:
-            self._finish_receive(WC_SUCCESS, WC_RECV, self.rx_placed, solicited=op == OP_SEND_SE)
+            self._finish_receive(WC_SUCCESS, WC_RECV, self.rx_placed, solicited=op == OP_SEND_SE, written=written)
 
     def request_msn(self, op: int) -> int:
         """The MSN the next whole request (or Atomic Response) ``op`` must carry."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 from typing import Any, NamedTuple
 
-from ..wire import ddp, envelope, rdmap, segment
+from ..wire import ddp, envelope, rdmap, segment, shm
 from ..wire import link as wire_link
 from ..wire.rdmap import Opcode
 from .opcodes import (
@@ -85,6 +85,9 @@ _SEGMENT_AT = wire_link.HEADER_LEN + envelope.ENVELOPE_LEN
 _CRC_LEN = wire_link.CRC_LEN
 _TN = tuple.__new__  # a NamedTuple built without its Python __new__ (see rdmap)
 OP_SEND = int(Opcode.SEND)
+_WC_RECV = int(shm.WcOpcode.IBV_WC_RECV)
+#: where a ring header's consumer index is (its producer index is its first word)
+_CONSUMER_AT = shm.ffi.offsetof("struct uv_ring_hdr", "consumer")
 
 
 class RunSetup(NamedTuple):
@@ -140,6 +143,15 @@ class ReceiveLane:
         self.recv = ffi.new("udpv_rx_recv *")  # the armed read's socket and source (Receiver.read_armed)
         self.buf = ffi.new("uint8_t[]", RX_BUF)
         self.sends = SendBatch(native)  # (rxsends.py)
+        #: the armed read of a Send writes its receive's CQE (``read_send``)
+        self.cqe_in_read = True
+        self.send_cqe = ffi.new("udpv_rx_send_cqe *")
+        self.send_cqe.wc_recv = _WC_RECV
+        #: the receive CQ ``send_cqe`` is set up for; whether the arming is a
+        #: Send's whose CQE the read may write; the CQE the last read wrote
+        self.cqe_ring: Any = None
+        self.cqe_armed = False
+        self.cqe_written = 0
         self.atomics = AtomicScratch(native)  # (atombatch.py)
         # the lane's memory for whole requests and Atomic Responses: none
         # (the QP reads them in the datagram)
@@ -274,6 +286,7 @@ class ReceiveLane:
         which would keep deregistration from unmapping it: no region the
         arming saw can go without the STag table's version moving.
         """
+        self.cqe_armed = False
         if pl.rx_hint is None or not self.may_arm or links.get(pl.addr) is not pl:
             return
         setup = self.setup(pl, limit if pl.rx_hint[2] in ANSWERED_BY_DAEMON else WHOLE_MAX, drop=False)
@@ -291,7 +304,43 @@ class ReceiveLane:
             ffi.release(held)
         rx = self.recv
         rx.peer_addr, rx.peer_port = pl.rx_addr, pl.rx_port
+        if setup.recv is not None and self.cqe_in_read and setup.op in SEND_ENDS_IN_LANE:
+            self._arm_cqe(setup)
         self.armed = (pl, setup, mem, pl.link.receiver.rcv_nxt, self.stags.version)
+
+    def _arm_cqe(self, setup: RunSetup) -> None:
+        """Set ``send_cqe`` up for the receive ``setup`` names: the read
+        that ends its Send writes its CQE (``read_send``)."""
+        qp = setup.qp
+        ring = qp.recv_cq.ring
+        c = self.send_cqe
+        if self.cqe_ring is not ring:
+            ffi = self.ffi
+            c.cq = ffi.cast("uint8_t *", ring.slots_addr)
+            c.cq_producer = ffi.cast("uint32_t *", ring.hdr_addr)
+            c.cq_consumer = ffi.cast("uint32_t *", ring.hdr_addr + _CONSUMER_AT)
+            c.cq_mask, c.cq_entry_size, c.cq_entries = ring.mask, ring.entry_size, ring.entries
+            self.cqe_ring = ring
+        c.wr_id = setup.recv[0]
+        c.placed = self.run.next_to
+        rq = qp.recv_ring
+        c.rq_take = setup.recv is not qp.rx_recv  # (else taken when its first segment came)
+        c.rq_consumer = self.ffi.cast("uint32_t *", rq.hdr_addr + _CONSUMER_AT)
+        c.rq_next = (rq.cons + 1) & U32
+        c.qp_num, c.src_qp = qp.qpn, qp.dest_qpn
+        self.cqe_armed = True
+
+    def read_send(self, cq: Any, mem: Any) -> int:
+        """The armed read of a Send (``udpv_rx_recv_send``): as
+        ``udpv_rx_recv_run``, and the receive's CQE written if the run ends
+        the Send (``cqe_written``; ``run_taken`` accounts for it).  The CQ's
+        producer index is read now: the pass completes other WRs into it."""
+        c = self.send_cqe
+        c.cq_prod = cq.ring.prod
+        c.on = not cq.overrun
+        k = self.lib.udpv_rx_recv_send(self.recv, self.run, c, self.buf, RX_BUF, mem)
+        self.cqe_written = c.written
+        return k
 
     # -- placing ----------------------------------------------------------------------
     def place_run(self, pl: PeerLink, data: bytes, off: int, seg: int, now: float, arrived: float,
@@ -348,7 +397,11 @@ class ReceiveLane:
             # change.
             sends = op not in TAGGED_LANE and request is None
             if sends:
-                qp.sends_placed(op, recv, r.bytes, r.ended)
+                written = self.cqe_written
+                if written:
+                    self.cqe_written = 0
+                    self.stats["rx_armed_send_cqes"] += 1
+                qp.sends_placed(op, recv, r.bytes, r.ended, written)
                 if r.ended:
                     self.stats["rx_native_sends"] += 1
                     sched.qp_changed(qp)  # a Modified ACK is owed

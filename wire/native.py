@@ -67,7 +67,10 @@ each into the next posted receive, and writes their CQEs
 Atomic Requests to one region and builds their Atomic Responses into run
 slots, and ``udpv_atomic_take`` takes an ORD window of atomic WQEs off an
 SQ and builds their Atomic Requests the same way (``daemon/atombatch.py``).  All stop at the first item that is not
-like the others, and Python takes it.
+like the others, and Python takes it.  ``udpv_rx_recv_send`` (``_native_send.c``)
+is the armed read for a Send: when its run ends the Send, it also writes
+the receive's CQE, so that an application answering Sends sees it
+without waiting for the daemon's Python (``daemon/rxlane.py``).
 
 One more, outside the lanes: ``udpv_rings_moved`` tells the data loop which
 idle QPs have new WQEs, comparing producer and consumer index in each SQ's
@@ -233,6 +236,24 @@ typedef struct {
 } udpv_atomic_wqes;
 
 size_t udpv_atomic_take(udpv_atomic_wqes *t, uint8_t *out, size_t max, size_t spacing);
+
+typedef struct {
+    uint8_t *cq;
+    const volatile uint32_t *cq_consumer;
+    volatile uint32_t *cq_producer;
+    uint32_t cq_prod, cq_mask, cq_entry_size, cq_entries;
+    uint64_t wr_id;
+    uint32_t placed;
+    volatile uint32_t *rq_consumer;
+    uint32_t rq_next;
+    uint32_t rq_take;
+    uint32_t qp_num, src_qp, wc_recv;
+    uint32_t on;
+    uint32_t written;
+} udpv_rx_send_cqe;
+
+long udpv_rx_recv_send(udpv_rx_recv *a, udpv_rx_run *r, udpv_rx_send_cqe *c, uint8_t *buf, size_t cap,
+                       uint8_t *mem);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")
@@ -240,6 +261,8 @@ _SOURCE = pathlib.Path(__file__).with_name("_native.c")
 _BATCH_SOURCE = _SOURCE.with_name("_native_batch.c")
 #: and after it, the same way
 _ATOMIC_SOURCE = _SOURCE.with_name("_native_atomic.c")
+#: and after that: the armed read of a Send with its receive's CQE
+_SEND_SOURCE = _SOURCE.with_name("_native_send.c")
 _loaded: ModuleType | None = None
 _tried = False
 
@@ -272,7 +295,8 @@ def build(target_dir: pathlib.Path) -> pathlib.Path:
     """
     import cffi
 
-    source = _SOURCE.read_text() + _BATCH_SOURCE.read_text() + _ATOMIC_SOURCE.read_text()
+    source = (_SOURCE.read_text() + _BATCH_SOURCE.read_text() + _ATOMIC_SOURCE.read_text()
+              + _SEND_SOURCE.read_text())
     name = _module_name(source)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     final = target_dir / (name + suffix)
