@@ -42,7 +42,7 @@ from ..wire import envelope, rdmap, segment, shm
 from ..wire import link as wire_link
 from ..wire.rdmap import Opcode
 from .opcodes import ATOMIC_WR, LOCAL_WRITE, REMOTE_ATOMIC, RECEIVING, SEND_SIGNALED, U32, wc_opcode
-from .records import Gather, OutWR, PendingAtomic, ReadResponse
+from .records import AtomicReply, Gather, OutWR, PendingAtomic
 
 _PREFIX = segment.UNTAGGED_PREFIX_LEN
 _STRIDE = _PREFIX + rdmap.ATOMIC_RESPONSE_LEN
@@ -110,7 +110,7 @@ def answer_atomics(qp: Any, scratch: AtomicScratch, data: bytes, off: int, seg: 
     a.len = mr.length
     segment.pack_untagged_into(scratch.hdr, 0, qp.dest_qpn, qp.qpn, Opcode.ATOMIC_RESPONSE, True, 0, 0)
     # the responses queued ahead of these take the MSNs before theirs
-    a.msn = (qp.atomic_resp_msn + sum(1 for r in irrq if type(r) is not ReadResponse)) & U32
+    a.msn = (qp.atomic_resp_msn + sum(1 for r in irrq if type(r) is AtomicRun or type(r) is AtomicReply)) & U32
     ffi = scratch.ffi
     out = scratch.alloc("uint8_t[]", k * _SLOT)
     src = ffi.from_buffer(data)
@@ -187,6 +187,38 @@ class SQScratch:
             self.t.slots = self.ffi.cast("uint8_t *", int(shm.ffi.cast("uintptr_t", sq._slots)))
             self.ring = sq
 
+    def describe(self, qp: Any, avail: int, mr: Any) -> None:
+        """Describe ``qp``'s SQ (``avail`` WQEs posted) and the local region
+        ``mr`` every WQE's sink must lie in (an ORD window's take)."""
+        sq = qp.sq
+        self.point_at(sq)
+        t = self.t
+        t.cons, t.mask, t.entry_size, t.avail = sq.cons, sq.mask, sq.entry_size, avail
+        t.sig_all = 1 if qp.sq_sig_all else 0
+        t.lkey, t.addr, t.len = mr.stag, mr.addr, mr.length
+
+
+def ord_window(qp: Any, wqes: int, avail: int) -> tuple[int, Any, int, int]:
+    """How many of the next ``wqes`` WQEs (``avail`` posted) an ORD window's
+    take may take now, and the first one's SGE: ``(count, its region or
+    None, its address, its length)``; a count under 2: none."""
+    k = min(wqes, avail, qp.ord - len(qp.orrq), TAKE_MAX)  # the one past the ORD waits, as start_next makes it
+    if k < 2:
+        return 0, None, 0, 0
+    sq = qp.sq
+    addr, n, lkey = _SGE.unpack_from(sq.buf, sq.slot_offset() + _SG_OFFSET)
+    return k, qp.device.stags.lookup(lkey), addr, n
+
+
+def queue_requests(qp: Any, pl: Any, b: SQScratch, out: Any, k: int, stride: int, slot: int, counter: str) -> None:
+    """The ``k`` requests a take built in ``out`` (run slots of ``slot``
+    bytes, each ``stride`` long) leave the SQ and go on ``pl``'s link as one run."""
+    qp.sq.pop(k)
+    qp.device.stats[counter] += k
+    if pl.requests:
+        pl.flush_requests()  # requests queued before go first, as they would in one run
+    pl.link.send_run(memoryview(b.ffi.buffer(out))[:k * slot], stride, k, stride, ack_carrier=False)
+
 
 class AtomicTake(SQScratch):
     """A QP's descriptor and per-WQE outputs for ``udpv_atomic_take``."""
@@ -214,24 +246,16 @@ def take_atomics(qp: Any, pl: Any, opcode: int, wqes: int, avail: int) -> int:
     lets them go, and queue their requests on ``pl`` as one run; return how
     many (0: none, the per-WQE path goes on).  The caller has checked that
     nothing else is under way or owed, and the first WQE's flags."""
-    k = min(wqes, avail, qp.ord - len(qp.orrq), TAKE_MAX)  # the one past the ORD waits, as start_next makes it
-    if k < 2:
-        return 0
-    sq = qp.sq
-    addr, n, lkey = _SGE.unpack_from(sq.buf, sq.slot_offset() + _SG_OFFSET)
-    mr = qp.device.stags.lookup(lkey)
-    if n != 8 or mr is None or mr.check(qp.pd, LOCAL_WRITE, addr, 8, tagged=False)[0]:
+    k, mr, addr, n = ord_window(qp, wqes, avail)
+    if k < 2 or n != 8 or mr is None or mr.check(qp.pd, LOCAL_WRITE, addr, 8, tagged=False)[0]:
         return 0
     b = qp._atake
     if b is None:
         b = qp._atake = AtomicTake(qp.device.native)
-    b.point_at(sq)
+    b.describe(qp, avail, mr)
     t = b.t
-    t.cons, t.mask, t.entry_size, t.avail = sq.cons, sq.mask, sq.entry_size, avail
     t.opcode = opcode
     t.aop = ATOMIC_WR[opcode]
-    t.sig_all = 1 if qp.sq_sig_all else 0
-    t.lkey, t.addr, t.len = mr.stag, mr.addr, mr.length
     segment.pack_untagged_into(b.hdr, 0, qp.dest_qpn, qp.qpn, Opcode.ATOMIC_REQUEST, True, 0, 0)
     msn, req_id = qp.read_msn, qp.next_req_id
     t.msn, t.req_id = msn & U32, req_id
@@ -239,12 +263,7 @@ def take_atomics(qp: Any, pl: Any, opcode: int, wqes: int, avail: int) -> int:
     k = b.lib.udpv_atomic_take(t, out + _REQ_HEAD, k, _REQ_SLOT)
     if k < 2:
         return 0
-    sq.pop(k)
-    qp.device.stats["tx_batched_atomics"] += k
-    if pl.requests:
-        pl.flush_requests()  # requests queued before go first, as they would in one run
-    pl.link.send_run(memoryview(b.ffi.buffer(out))[:k * _REQ_SLOT], _REQ_STRIDE, k, _REQ_STRIDE,
-                     ack_carrier=False)
+    queue_requests(qp, pl, b, out, k, _REQ_STRIDE, _REQ_SLOT, "tx_batched_atomics")
     _atomics_taken(qp, b, k, wc_opcode(opcode), mr.view, msn, req_id)
     return k
 

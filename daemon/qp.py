@@ -85,6 +85,7 @@ class QueuePair(Requester, TxBatch, Responder, Completer):
         self.rnr_nacks_sent = 0
         self._txb = None  # the batch take's scratch (txbatch.py), made on first use
         self._atake = None  # the atomic take's scratch (atombatch.py), made on first use
+        self._rtake = None  # the Read take's scratch (readbatch.py), made on first use
         self.reset_requester()
         self.reset_responder()
 

@@ -43,6 +43,7 @@ from ..wire.rdmap import AtomicOp, Opcode
 from ..wire.shm import EventType, WcFlags, WcOpcode, WcStatus as W
 from . import tables
 from .atombatch import AtomicRun, send_atomic_run
+from .readbatch import ReadRun, send_read_run
 from .opcodes import (
     LOCAL_WRITE,
     OP_READ_RESPONSE,
@@ -226,6 +227,8 @@ class Responder:
         """Send the next segments (at most ``room``) of the IRRQ head, a Read
         Response or an Atomic Response; return how many."""
         r = self.irrq[0]
+        if type(r) is ReadRun:
+            return send_read_run(self, r, room)
         if type(r) is AtomicRun:
             return send_atomic_run(self, r, room)
         if type(r) is AtomicReply:

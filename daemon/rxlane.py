@@ -50,6 +50,7 @@ from .opcodes import (
 )
 from .atombatch import AtomicScratch, answer_atomics, atomics_answered
 from .peer import PeerLink
+from .readbatch import ReadScratch, ReadSinks, answer_reads, reads_whole_placed, whole_reads
 from .records import PendingRead
 from .responder import ATOMIC_REPLAY
 from .rxsends import SendBatch, more_sends
@@ -108,8 +109,8 @@ class LaneCall(NamedTuple):
     """One lane call over Read Responses (``ReceiveLane.next_reads_responses``)."""
 
     count: int  #: datagrams taken
-    nbytes: int  #: payload bytes placed
-    ended: int  #: the call ended its Read
+    nbytes: int  #: payload bytes placed (-1: a call of ``udpv_read_responses``, which ended ``ended`` Reads)
+    ended: int  #: the call ended its Read (or how many)
     ack: int  #: the ACK field the datagrams carried
     ts: int  #: the first datagram's timestamp, echo, window and flags
     echo: int
@@ -153,6 +154,8 @@ class ReceiveLane:
         self.cqe_armed = False
         self.cqe_written = 0
         self.atomics = AtomicScratch(native)  # (atombatch.py)
+        self.reads = ReadScratch(native)  # (readbatch.py)
+        self.sinks = ReadSinks(native)
         # the lane's memory for whole requests and Atomic Responses: none
         # (the QP reads them in the datagram)
         self.no_mem = ffi.cast("uint8_t *", 0)
@@ -454,9 +457,9 @@ class ReceiveLane:
             sched.delivered = True  # the original values are in the application's memory
             sched.delivered_to = qp
         else:
-            # an ORD window of atomics: applied and answered in one call, as far as alike
+            # (an ORD window of atomics or of Reads: applied, or answered, in one call, as far as alike)
             j = answer_atomics(qp, self.atomics, data, off, seg, k, msn, ATOMIC_REPLAY) if op == OP_ATOMIC_REQUEST \
-                else 0
+                else answer_reads(qp, self.reads, data, off, seg, k, msn)
             at = self.take_whole(qp, op, (msn + j) & U32, data, off + j * seg, seg, k - j) if j < k \
                 else off + k * seg if off + k * seg < end else end
             self.stats["rx_native_requests"] += k
@@ -509,8 +512,22 @@ class ReceiveLane:
         while at < end and i < len(orrq):
             seq = (seq + k) & U32
             room -= k
+            if room <= 0:
+                break
+            n = whole_reads(self.sinks, orrq, i, view, room)
+            if n >= 2:
+                # one-segment responses, one to each of the next Reads: all in one call (readbatch.py)
+                r.seq, r.max_count = seq, room
+                s = self.sinks.s
+                k = self.lib.udpv_read_responses(s, r, buf + at, end - at, seg, mem, n)
+                if k:
+                    at = min(at + k * seg, end)
+                    calls.append(_TN(LaneCall, (k, -1, k, s.ack, s.ts, s.echo, s.rwnd, s.flags, s.last_ts,
+                                                s.last_rwnd, s.flags_or, at)))
+                    i += k
+                    continue
             rd = orrq[i]
-            if room <= 0 or type(rd) is not PendingRead or len(rd.gather.pieces) != 1:
+            if type(rd) is not PendingRead or len(rd.gather.pieces) != 1:
                 break
             piece, start, _ = rd.gather.pieces[0]
             if piece is not view:
@@ -537,8 +554,11 @@ class ReceiveLane:
         link = pl.link
         total = reads = 0
         for call in calls:  # first what the application waits on
-            qp.read_response_placed(qp.orrq[0], call.nbytes, call.ended)
-            reads += 1 if call.ended else 0
+            if call.nbytes < 0:
+                reads_whole_placed(qp, call.ended)
+            else:
+                qp.read_response_placed(qp.orrq[0], call.nbytes, call.ended)
+            reads += call.ended
         self.sched.complete_done(qp)
         n = len(calls)
         j = 0
@@ -558,7 +578,7 @@ class ReceiveLane:
             total += count
         self.stats["rx_native_reads"] += reads
         self.stats["rx_native_datagrams"] += total
-        self.run.ended = calls[-1].ended
+        self.run.ended = 1 if calls[-1].ended else 0
         sched = self.sched
         sched.qp_changed(qp)  # the Reads complete
         sched.delivered = True

@@ -49,9 +49,11 @@ from .opcodes import (
     U32,
     WC_RDMA_WRITE,
     WC_SEND,
+    WR_READ,
     WR_WRITE,
 )
 from .peer import PeerLink
+from .readbatch import take_reads
 from .records import Gather, OutWR, Q0Message
 
 _WR_SEND = int(shm.WrOpcode.IBV_WR_SEND)
@@ -118,6 +120,9 @@ class TxBatch:
             # an ORD window (atombatch.py): requests are held for one run,
             # not counted as segments, as start_next's are
             return (take_atomics(self, pl, opcode, wqes, avail), 0) if not flags & ~SEND_SIGNALED else _NONE
+        if opcode == WR_READ:
+            # an ORD window of Reads, the same way (readbatch.py)
+            return (take_reads(self, pl, wqes, avail), 0) if not flags & ~SEND_SIGNALED else _NONE
         if room < 2:
             return _NONE
         if opcode == WR_WRITE:

@@ -70,7 +70,7 @@ def test_layer_imports_only_downward(layer: str, path: Path) -> None:
 DAEMON_ORDER = [
     "heap", "tables", "quota", "clusterkey", "paths", "config", "opcodes", "records", "cq", "ports", "policy", "udp", "impaired",
     "peer",
-    "atombatch", "completer", "responder", "requester", "txbatch", "qp",
+    "atombatch", "readbatch", "completer", "responder", "requester", "txbatch", "qp",
     "scheduler", "rxsends", "rxlane", "receive", "loop", "device", "status", "metrics",
     "qlock", "gbarrier", "groups",
     "control", "server", "cm", "__main__",

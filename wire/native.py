@@ -66,7 +66,9 @@ each into the next posted receive, and writes their CQEs
 (``daemon/rxsends.py``); ``udpv_atomic_batch`` applies a GRO batch of
 Atomic Requests to one region and builds their Atomic Responses into run
 slots, and ``udpv_atomic_take`` takes an ORD window of atomic WQEs off an
-SQ and builds their Atomic Requests the same way (``daemon/atombatch.py``).  All stop at the first item that is not
+SQ and builds their Atomic Requests the same way (``daemon/atombatch.py``); ``_native_read.c`` does
+the same for an ORD window of Reads (``udpv_read_take``, ``udpv_read_batch`` with ``udpv_read_fill``, and
+``udpv_read_responses``, a buffer of one-segment Read Responses placed into their sinks: ``daemon/readbatch.py``).  All stop at the first item that is not
 like the others, and Python takes it.  ``udpv_rx_recv_send`` (``_native_send.c``)
 is the armed read for a Send: when its run ends the Send, it also writes
 the receive's CQE, so that an application answering Sends sees it
@@ -254,6 +256,44 @@ typedef struct {
 
 long udpv_rx_recv_send(udpv_rx_recv *a, udpv_rx_run *r, udpv_rx_send_cqe *c, uint8_t *buf, size_t cap,
                        uint8_t *mem);
+
+typedef struct {
+    uint32_t stag;
+    uint64_t base, len;
+    uint32_t size;
+    uint8_t hdr[32];
+    uint32_t prefix;
+    uint64_t *src_off;
+} udpv_reads;
+
+size_t udpv_read_batch(udpv_reads *a, const uint8_t *buf, size_t k, size_t seg, uint8_t *out, size_t spacing);
+void udpv_read_fill(uint8_t *out, size_t spacing, size_t prefix, const uint8_t *mem, const uint64_t *src_off,
+                    size_t k, size_t size);
+
+typedef struct {
+    const uint8_t *slots;
+    uint32_t cons, mask, entry_size, sg_at, avail;
+    uint32_t opcode, flags_ok, signaled_flag, sig_all;
+    uint32_t lkey;
+    uint64_t addr, len;
+    uint32_t max_len;
+    uint8_t hdr[32];
+    uint32_t prefix, msn, sink;
+    uint64_t *wr_id, *raddr, *sink_off;
+    uint32_t *rkey, *length;
+    uint8_t *signaled;
+} udpv_read_wqes;
+
+size_t udpv_read_take(udpv_read_wqes *t, uint8_t *out, size_t max, size_t spacing);
+
+typedef struct {
+    const uint32_t *stag, *size;
+    const uint64_t *off;
+    uint32_t ack, ts, echo, rwnd, flags, last_ts, last_rwnd, flags_or;
+} udpv_read_sinks;
+
+size_t udpv_read_responses(udpv_read_sinks *s, udpv_rx_run *r, const uint8_t *buf, size_t len, size_t seg,
+                           uint8_t *mem, size_t reads);
 """
 
 _SOURCE = pathlib.Path(__file__).with_name("_native.c")
@@ -263,6 +303,8 @@ _BATCH_SOURCE = _SOURCE.with_name("_native_batch.c")
 _ATOMIC_SOURCE = _SOURCE.with_name("_native_atomic.c")
 #: and after that: the armed read of a Send with its receive's CQE
 _SEND_SOURCE = _SOURCE.with_name("_native_send.c")
+#: and after that: the ORD window of Reads
+_READ_SOURCE = _SOURCE.with_name("_native_read.c")
 _loaded: ModuleType | None = None
 _tried = False
 
@@ -296,7 +338,7 @@ def build(target_dir: pathlib.Path) -> pathlib.Path:
     import cffi
 
     source = (_SOURCE.read_text() + _BATCH_SOURCE.read_text() + _ATOMIC_SOURCE.read_text()
-              + _SEND_SOURCE.read_text())
+              + _SEND_SOURCE.read_text() + _READ_SOURCE.read_text())
     name = _module_name(source)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     final = target_dir / (name + suffix)

@@ -89,7 +89,8 @@ def _exchange(rng: random.Random, a: Host, fast: Host, slow: Host, ops: list[tup
         assert fast.cqes() == slow.cqes()
         if len(done) == len(ops) or a.qp.state == S.IBV_QPS_ERR and step > 100:
             break
-    assert_twins_agree(fast, slow, pf, ps, ("rx_native_datagrams", "rx_native_requests", "rx_atomic_batched"))
+    assert_twins_agree(fast, slow, pf, ps, ("rx_native_datagrams", "rx_native_requests", "rx_atomic_batched",
+                                            "rx_read_batched"))
     assert fast.qp.atomic_replay == slow.qp.atomic_replay
     assert (fast.qp.rx_read_msn, fast.qp.atomic_resp_msn, len(fast.qp.irrq)) == \
         (slow.qp.rx_read_msn, slow.qp.atomic_resp_msn, len(slow.qp.irrq))

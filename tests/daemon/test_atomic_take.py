@@ -23,11 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from udpverbs.bench.inprocess import MR_LEN, Host
-from udpverbs.daemon.policy import IN_PASS_ORDER
 from udpverbs.wire import native, rdmap, shm
 from udpverbs.wire.shm import QPState as S, SendFlags as F, WcStatus as W, WrOpcode
 
-from .twins import close_all, twins, twins_round
+from .twins import close_all, requester_twins, twins_round
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here: the daemon uses the Python path")
 
@@ -63,12 +62,7 @@ def _stream(seed: int, runs: list[tuple[str, str, int]], loss: float,
     """Post ``runs`` ((operation, kind, how many)) on both twins (at most
     60 WQEs); turn until every WR completed; return the hosts and the CQEs."""
     rng = random.Random(seed)
-    fast, slow = (Host("127.0.0.2", gso=True, native=on, policy=IN_PASS_ORDER) for on in (True, False))
-    peer = Host("127.0.0.3", gso=False, native=peer_native, policy=IN_PASS_ORDER)
-    clock, pp, pf, ps = twins(peer, fast, slow)
-    for h in (fast, slow):
-        h.qp.attrs["max_rd_atomic"] = _ORD
-    peer.qp.attrs["max_dest_rd_atomic"] = _ORD
+    fast, slow, peer, clock, pp, pf, ps = requester_twins(_ORD, peer_native, False)
     peer.mr.view[:4096] = rng.randbytes(4096)
     n = 0
     for op, kind, count in runs:

@@ -190,7 +190,10 @@ async def test_a_batch_of_small_read_responses_completes_alike(native: bool, sin
                 bytes(a.mr.view[4096 + 2 * i:4096 + 2 * i + 2])
             assert got == bytes([2 * i, 2 * i + 1])
         if native:
-            assert a.dev.stats["rx_native_reads"] == 31  # all but the very first
+            # all but the very first (with the Read batch at the responder,
+            # the first of its first window, answered apart from the rest,
+            # leaves in a send of its own: then the first two)
+            assert a.dev.stats["rx_native_reads"] >= 30
             # a batch arrives in a buffer or two, and one call takes a series
             assert len(lane_calls) < (16 if sinks == "one region" else 24)
 

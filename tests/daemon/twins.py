@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,15 @@ class Recorder:
         self.sent.append(bytes(data))
         return len(data)
 
+    def sendmsg(self, buffers: list[Any], ancdata: list[tuple[int, int, bytes]] = (),  # type: ignore[assignment]
+                flags: int = 0, addr: object = None) -> int:
+        """A UDP_SEGMENT send: its datagrams, as the kernel cuts them (a
+        twin may group them into sends differently: what leaves is compared)."""
+        data = b"".join(bytes(b) for b in buffers)
+        size = int.from_bytes(ancdata[0][2], sys.byteorder) if ancdata else len(data)
+        self.sent.extend(data[i:i + size] for i in range(0, len(data), size))
+        return len(data)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sock, name)
 
@@ -102,12 +112,13 @@ def turn(host: Host, pl: object, now: float, clock: object = None) -> list[bytes
 
 
 def carry(peer: Host, pp: Any, held: list[bytes], twins: tuple[tuple[Host, Any], tuple[Host, Any]],
-          rng: random.Random, loss: float, now: float) -> None:
+          rng: random.Random, loss: float, now: float, back_gro: float = 0.0) -> None:
     """One round of the network: ``held`` (what the twins sent) reaches
     ``peer`` (its link ``pp``), mangled, and what the peer then sends
-    reaches both twins (each ``(host, its link)``) alike."""
+    reaches both twins (each ``(host, its link)``) alike (``back_gro``:
+    coalesced as ``mangle``'s ``gro``)."""
     receive_all(peer, pp, mangle(held, rng, loss, 0.7), now)
-    back = mangle(turn(peer, pp, now, peer.dev.clock), rng, loss, 0.0)
+    back = mangle(turn(peer, pp, now, peer.dev.clock), rng, loss, back_gro)
     for host, pl in twins:
         receive_all(host, pl, back, now)
 
@@ -166,6 +177,20 @@ def assert_twins_agree(fast: Host, slow: Host, pf: Any, ps: Any, lane: tuple[str
     fast.dev.stats.update(kept)
 
 
+def requester_twins(ord_: int, peer_native: bool, peer_gso: bool) -> tuple[Host, Host, Host, list[float], Any,
+                                                                           Any, Any]:
+    """Requesting twins (``fast`` with the compiled lanes, ``slow`` without)
+    of ORD ``ord_`` and their peer, of IRD ``ord_``, connected (``twins``):
+    ``(fast, slow, peer, clock, peer's link, fast's, slow's)``."""
+    fast, slow = (Host("127.0.0.2", gso=True, native=on, policy=IN_PASS_ORDER) for on in (True, False))
+    peer = Host("127.0.0.3", gso=peer_gso, native=peer_native, policy=IN_PASS_ORDER)
+    clock, pp, pf, ps = twins(peer, fast, slow)
+    for h in (fast, slow):
+        h.qp.attrs["max_rd_atomic"] = ord_
+    peer.qp.attrs["max_dest_rd_atomic"] = ord_
+    return fast, slow, peer, clock, pp, pf, ps
+
+
 def close_all(*hosts: Host) -> None:
     for h in hosts:
         h.close()
@@ -200,7 +225,7 @@ def twins_send(fast: Host, slow: Host, pf: Any, ps: Any, now: float) -> list[byt
 
 def twins_round(hosts: tuple[Host, Host, Host], links: tuple[Any, Any, Any], held: list[bytes],
                 cqes: tuple[list[tuple[int, ...]], list[tuple[int, ...]]], rng: random.Random, loss: float,
-                now: float, state: Callable[[Any], tuple[Any, ...]]) -> list[bytes]:
+                now: float, state: Callable[[Any], tuple[Any, ...]], back_gro: float = 0.0) -> list[bytes]:
     """A pass of two sending twins (``twins_send``; ``state`` of each QP
     must agree too) talking to a peer (``hosts``: fast, slow, peer; their
     ``links``): now and then what they held reaches the peer and its answer
@@ -212,7 +237,7 @@ def twins_round(hosts: tuple[Host, Host, Host], links: tuple[Any, Any, Any], hel
     assert state(fast.qp) == state(slow.qp)
     if rng.random() < 0.3:
         return held
-    carry(peer, pp, held, ((fast, pf), (slow, ps)), rng, loss, now)
+    carry(peer, pp, held, ((fast, pf), (slow, ps)), rng, loss, now, back_gro)
     cqes[0].extend(fast.cqes())
     cqes[1].extend(slow.cqes())
     assert cqes[0] == cqes[1]
