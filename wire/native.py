@@ -380,6 +380,6 @@ def build_and_import(builder: Callable[[pathlib.Path], pathlib.Path], what: str)
         path = builder(cache_dir())
         return _import(path.name.split(".")[0], path)
     except Exception as e:  # no compiler, no Python headers, read-only home...
-        log.warning("%s unavailable (%s): using the Python path", what, e)
+        log.warning("%s unavailable (%s: %s): using the Python path", what, type(e).__name__, e)
         return None
 
