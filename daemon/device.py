@@ -183,6 +183,8 @@ class Device:
         #: the most whole requests an armed lane call may take (its dispatch budget)
         self.arm_limit = config.rx_dispatch_budget or WHOLE_MAX
         self.eager_runs = policy.eager_runs
+        #: large tagged segments leave from the registered region (peer.ZERO_COPY_MIN)
+        self.zero_copy = True
         #: the longest hand-over (none where the daemon is not to spin)
         self.hand_over_s = min(policy.hand_over_s, config.spin_s)
         # Yield after a delivery only if an application may be waiting on one

@@ -16,6 +16,16 @@ the daemon's QPs need of it:
   message that the compiled send lane builds in place (``wire/native.py``):
   the payload is copied once, from the registered region to the buffer the
   socket sends from.
+- A tagged run whose segments are large (``ZERO_COPY_MIN`` payload bytes
+  or more: 64 KB datagrams on loopback or a jumbo path) is not built into a
+  buffer: each segment is queued as a ``transport.link.Gather`` (its DDP
+  header, and its payload as a view of the registered region), and leaves
+  as one ``sendmsg`` of header, region slice and CRC, the CRC taken over
+  the region where it lies; the kernel's copy into the socket is the only
+  one.  Smaller segments keep the run: per segment, the Python of a queued
+  message costs more than the copy it would save.  Not under a cluster key
+  (a seal covers the joined datagram: the copy is needed anyway), nor on a
+  link of several paths.
 - ``send_request`` collects Read and atomic requests queued back to back (an
   ORD window's) into one run of equal messages, which the compiled framer
   frames in one call.
@@ -36,7 +46,7 @@ import collections
 import socket
 from typing import Any
 
-from ..transport.link import Burst, Link, LinkState, PathMtu, one_per_datagram, run_slots
+from ..transport.link import Burst, Gather, Gathered, Link, LinkState, PathMtu, one_per_datagram, run_slots
 from ..transport.pmtud import fragmentable
 from ..wire import envelope, segment
 from ..wire import link as wire_link
@@ -46,6 +56,10 @@ from .udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, NATIVE_U32
 #: times one flush hands the link a refused size and sends what follows
 #: (each narrows its search: a few suffice from --mtu down to the path's)
 MAX_REFUSED_ROUNDS = 16
+_U64 = (1 << 64) - 1
+#: the shortest segment payload (bytes) a tagged run sends from the
+#: registered region without copying it (see the module docstring)
+ZERO_COPY_MIN = 32768
 #: datagrams a stream's Write or Read Response may take beyond the fewest,
 #: to make them equal (a Send's may take none: equal_segment_size)
 EQUAL_EXTRA = 2
@@ -277,6 +291,11 @@ class PeerLink:
                     big.extend(d.datagrams())
                 else:
                     rest.append(d)
+            elif type(d) is Gathered:
+                if len(d) > above:
+                    big.append(bytes(d))
+                else:
+                    rest.append(d)  # type: ignore[arg-type]
             elif fragmentable(d, above):  # type: ignore[arg-type]
                 big.append(d)  # type: ignore[arg-type]
             else:
@@ -348,6 +367,8 @@ class PeerLink:
         """
         if self.requests:
             self.flush_requests()
+        if seg >= ZERO_COPY_MIN and self._gathers(ends):
+            return self._send_gathered(opcode, dst_qpn, src_qpn, stag, to, src, start, count, seg, last_len, ends)
         lane = self.host.tx_lane
         segment.pack_tagged_into(lane.more, 0, dst_qpn, src_qpn, opcode, False, stag, 0)
         segment.pack_tagged_into(lane.last, 0, dst_qpn, src_qpn, opcode, True, stag, 0)
@@ -355,6 +376,29 @@ class PeerLink:
         t.prefix, t.off_at, t.off_len, t.off = segment.TAGGED_PREFIX_LEN, segment.TO_AT, 8, to
         t.tail_len = 0
         return self._send_segments(src, start, count, last_len, ends, segment.TAGGED_PREFIX_LEN + seg)
+
+    def _gathers(self, ends: bool) -> bool:
+        """Whether a tagged run leaves from the region (zero copy): the
+        device allows it, no cluster key, one path, and not a ping-pong's
+        whole message, which the run sends at once (``_send_segments``)."""
+        host = self.host
+        return (host.zero_copy and host.udp.guard is None and self.routes is None
+                and not (ends and host.eager_runs and self.link.quiet()))
+
+    def _send_gathered(self, opcode: int, dst_qpn: int, src_qpn: int, stag: int, to: int, src: memoryview,
+                       start: int, count: int, seg: int, last_len: int, ends: bool) -> int:
+        """``send_tagged_run`` with each segment queued as a ``Gather``: its
+        header packed here, its payload a view of ``src``."""
+        link = self.link
+        num = 0
+        last = count - 1
+        for i in range(count):
+            lead = bytearray(segment.TAGGED_PREFIX_LEN)
+            segment.pack_tagged_into(lead, 0, dst_qpn, src_qpn, opcode, ends and i == last, stag, (to + i * seg) & _U64)
+            at = start + i * seg
+            num = link.send(Gather(bytes(lead), src[at:at + (last_len if i == last else seg)]), self.host.now)
+        self.host.stats["tx_gather_segments"] += count
+        return num
 
     def send_untagged_run(self, opcode: int, dst_qpn: int, src_qpn: int, msn: int, mo: int, inv_stag: int,
                           flags: int, src: memoryview, start: int, count: int, seg: int, last_len: int, ends: bool,

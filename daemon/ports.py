@@ -51,6 +51,9 @@ class PeerHost(Protocol):
     #: whether a ping-pong's message of several datagrams leaves when it is
     #: queued (True) or at the pass's flush with everything else
     eager_runs: bool
+    #: whether a run of large tagged segments leaves from the registered
+    #: region without a copy (``peer.ZERO_COPY_MIN``)
+    zero_copy: bool
 
     def clock(self) -> float:
         """The time now (the same clock as ``now``)."""

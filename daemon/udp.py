@@ -43,7 +43,7 @@ import struct
 import sys
 from typing import Any
 
-from ..transport.link import Burst, one_per_datagram
+from ..transport.link import Burst, Gathered, one_per_datagram
 from ..wire.auth import TRAILER_LEN
 
 log = logging.getLogger("udpverbs.daemon")
@@ -276,15 +276,21 @@ class UdpPort:
                 sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_PROBE)
         self.stats["tx_fragmenting"] += len(out)
 
-    def send_each(self, out: list[bytes | memoryview], addr: tuple[str, int]) -> None:
-        """One ``sendto`` per datagram."""
-        assert self.sock is not None
+    def send_each(self, out: list[bytes | memoryview | Gathered], addr: tuple[str, int]) -> None:
+        """One ``sendto`` per datagram (a :class:`Gathered` one: one ``sendmsg`` of its parts)."""
+        sock = self.sock
+        assert sock is not None
         if self.guard is not None:
-            out = self.guard.seal_each(out, addr)
-        sendto = self.sock.sendto
+            # A seal covers the whole datagram: a gathered one is joined first.
+            out = self.guard.seal_each([bytes(d) if type(d) is Gathered else d for d in out], addr)
+        sendto = sock.sendto
         for d in out:
             try:
-                sendto(d, addr)
+                if type(d) is Gathered:
+                    sock.sendmsg(d.parts, (), 0, addr)  # type: ignore[union-attr]
+                    self.stats["tx_gathered"] += 1
+                else:
+                    sendto(d, addr)
             except (BlockingIOError, InterruptedError):
                 self.stats["tx_dropped"] += 1  # the link retransmits it
             except OSError as e:
@@ -306,8 +312,14 @@ class UdpPort:
         i = 0
         n = len(out)
         while i < n:
-            if type(out[i]) is Burst:
+            t = type(out[i])
+            if t is Burst:
                 i = self._send_bursts(out, i, addr)
+            elif t is Gathered:
+                # a datagram in parts is one sendmsg of its own (a large
+                # payload read from registered memory: nothing to join it with)
+                self.send_each(out[i:i + 1], addr)
+                i += 1
             else:
                 i = self._send_loose(out, i, addr)
             if i < 0:
@@ -356,7 +368,7 @@ class UdpPort:
         total = size
         while j < n and j - i < GSO_MAX_SEGMENTS:
             d = out[j]
-            if type(d) is Burst:
+            if type(d) is Burst or type(d) is Gathered:
                 break
             k = len(d)
             if k > size or total + k > self.gso_max_bytes:

@@ -99,7 +99,7 @@ def test_daemon_modules_import_only_modules_before_them(module: str) -> None:
 #: (``congestion`` is a package and one entry; the layer's ``__init__`` is its
 #: facade and may import any of them).  A new module takes its place here.
 TRANSPORT_ORDER = ["sockbuf", "replay", "cookie", "ackhold", "pacer", "recovery", "congestion", "records", "receiver",
-                   "builder", "handshake", "pmtud", "timers", "pathlanes", "scheduler", "paths", "link", "netsim",
+                   "gather", "builder", "handshake", "pmtud", "timers", "pathlanes", "scheduler", "paths", "link", "netsim",
                    "impair"]
 
 

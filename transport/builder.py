@@ -41,7 +41,9 @@ from collections import deque
 from typing import Any
 
 from ..wire import link as wl
+from ..wire.crc import crc32c
 from .congestion.base import INF, CongestionController
+from .gather import Gather, Gathered, native_crc
 from .pacer import Pacer
 from .receiver import Receiver
 from .records import LinkConfig, LinkState, LinkStats
@@ -54,6 +56,7 @@ _ACK_NOW = int(wl.LinkFlags.ACK_NOW)
 _RETX = int(wl.LinkFlags.RETRANSMISSION)
 _ESTABLISHED = LinkState.ESTABLISHED
 _encode_fields = wl.encode_fields
+_encode_parts = wl.encode_fields_parts
 
 #: a queued run: (first n, end n, buffer, stride, last length, DDP header length built in place or 0)
 Run = tuple[int, int, "bytearray | memoryview", int, int, int]
@@ -179,6 +182,8 @@ class Builder:
     def __init__(self, framer: Any) -> None:
         self._framer = framer
         self._frame = framer.ffi.new("udpv_tx_frame *") if framer is not None else None
+        # the CRC over a Gather's payload where it lies: the framer's (it folds 64 bytes a step)
+        self._crc = crc32c if framer is None else native_crc(framer)
         # each send_run() batch not yet wholly transmitted, oldest first
         self._runs: deque[Run] = deque()
         self.framed_datagrams = 0  # DATA packets the framer built (not a LinkStats field: the bytes are the same)
@@ -322,7 +327,8 @@ class Builder:
                 ts = int(t * 1e6) & _U32
                 echo = self._echo(t)
             s = sack if not sack or size + 8 * len(sack) <= self._packet_cap else fit_sack(sack, size, self._packet_cap)
-            out.append(_encode_fields(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd, body, s))
+            encode = _encode_fields if type(body) is not Gather else self._gathered
+            out.append(encode(_DATA, flags, path_id, peer_tag, (isn + n) & _U32, ack, ts, echo, rwnd, body, s))
             rec.on_sent(n, size, retx, now)
             pacer.on_sent(size, now)
             sent += 1
@@ -338,6 +344,17 @@ class Builder:
             self._poor_carrier = False  # such a message left: not an answer worth holding for
         self._data_sent(sent, sent_bytes, limited, poor, now)
         return sent
+
+    def _gathered(self, ptype: int, flags: int, path_id: int, conn_tag: int, seq: int, ack: int, ts: int, echo: int,
+                  rwnd: int, body: Gather, sack: tuple[tuple[int, int], ...]) -> Gathered | bytes:
+        """``wire.link.encode_fields`` for a :class:`Gather`: its first
+        transmission in parts (the payload not copied), a retransmission
+        (RETRANSMISSION set) as one packet from the memory read again now
+        (see :class:`Gather` for why)."""
+        if flags & _RETX:
+            return _encode_fields(ptype, flags, path_id, conn_tag, seq, ack, ts, echo, rwnd, body.join(), sack)
+        return Gathered(_encode_parts(ptype, flags, path_id, conn_tag, seq, ack, ts, echo, rwnd, body.lead,
+                                      body.payload, body.tail, sack, self._crc))
 
     def _arm_pto(self, now: float) -> None:
         """Start the tail loss probe's timer: 2 x SRTT and the peer's delayed

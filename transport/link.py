@@ -97,6 +97,7 @@ from typing import Any
 from ..wire import link as wl
 from ..wire.errors import WireError
 from .builder import Builder, Burst, admit, one_per_datagram, run_slots
+from .gather import Gather, Gathered
 from .handshake import Handshake
 from .congestion.base import INF, CongestionController, create
 from .pacer import Pacer
@@ -108,7 +109,7 @@ from .records import (LinkClosed, LinkConfig, LinkEvent, LinkFailed, LinkState, 
                       PathStats)
 from .recovery import Recovery, RttEstimator
 
-__all__ = ["Burst", "Link", "LinkClosed", "LinkConfig", "LinkEvent", "LinkFailed", "LinkState", "LinkStats", "LinkUp",
+__all__ = ["Burst", "Gather", "Gathered", "Link", "LinkClosed", "LinkConfig", "LinkEvent", "LinkFailed", "LinkState", "LinkStats", "LinkUp",
            "PathChanged", "PathMtu", "PathStats", "admit", "one_per_datagram", "run_slots"]
 
 _U32 = 0xFFFFFFFF
@@ -513,12 +514,14 @@ class Link(Handshake, PathProbing, Timers, Paths, Builder):
 
     # --- sending ------------------------------------------------------------
 
-    def send(self, message: bytes | bytearray | memoryview, now: float, ack_now: bool = True,
+    def send(self, message: bytes | bytearray | memoryview | Gather, now: float, ack_now: bool = True,
              ack_carrier: bool = True) -> int:
         """Queue one message; returns its number n (0, 1, 2, ...).
 
         A ``bytearray`` is kept, not copied: the caller must not change it
-        afterwards (it may be retransmitted).
+        afterwards (it may be retransmitted).  So is a :class:`Gather`, whose
+        first transmission is a :class:`Gathered` datagram (its payload not
+        copied), and whose retransmissions are plain ones.
 
         ``ack_now=False``: the message does not ask the peer to ACK it at
         once (the last packet of a burst sets ACK_NOW only if a message in
@@ -546,7 +549,7 @@ class Link(Handshake, PathProbing, Timers, Paths, Builder):
         # over: a segment is built once per send); a view may alias memory
         # that changes, so it is copied.
         t = type(message)
-        self.recovery.add(n, message if t is bytes or t is bytearray else bytes(message))
+        self.recovery.add(n, message if t is bytes or t is bytearray or t is Gather else bytes(message))
         self._next_n = n + 1
         if ack_now:
             self._want_ack_now = True

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..wire import link as wl
 from .builder import Burst, fit_sack
+from .gather import Gather
 from .congestion.base import CongestionController
 from .pacer import Pacer
 from .pathlanes import PathLanes
@@ -272,6 +273,8 @@ class Scheduler(PathLanes):
                     count += k
                     continue
             body = rec.message(n)
+            if type(body) is Gather:
+                body = body.join()  # queued before the link had several paths: sent as a plain copy
             size = len(body) + wl.OVERHEAD
             if retx:
                 flags = _RETX | _ACK_NOW

@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import struct
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import construct as c
 
@@ -191,6 +191,13 @@ def encode_fields(ptype: int, flags: int, path_id: int, conn_tag: int, seq: int,
     Raises:
         ValueError: as ``encode``.
     """
+    head = _head(ptype, flags, path_id, conn_tag, seq, ack, ts_us, ts_echo_us, rwnd, sack)
+    return b"".join((head, body, _CRC.pack(_crc32c(body, _crc32c(head)))))
+
+
+def _head(ptype: int, flags: int, path_id: int, conn_tag: int, seq: int, ack: int, ts_us: int, ts_echo_us: int,
+          rwnd: int, sack: tuple[tuple[int, int], ...]) -> bytes:
+    """A packet's header and SACK blocks (what comes before its body)."""
     n = len(sack)
     if n > MAX_SACK_BLOCKS:
         raise ValueError(f"at most {MAX_SACK_BLOCKS} SACK blocks, got {n}")
@@ -200,7 +207,25 @@ def encode_fields(ptype: int, flags: int, path_id: int, conn_tag: int, seq: int,
             head += b"".join([_SACK.pack(start, end) for start, end in sack])
     except struct.error as e:
         raise ValueError(str(e)) from None
-    return b"".join((head, body, _CRC.pack(_crc32c(body, _crc32c(head)))))
+    return head
+
+
+def encode_fields_parts(ptype: int, flags: int, path_id: int, conn_tag: int, seq: int, ack: int, ts_us: int,
+                        ts_echo_us: int, rwnd: int, lead: bytes, payload: memoryview, tail: bytes,
+                        sack: tuple[tuple[int, int], ...] = (),
+                        crc: Callable[[Any, int], int] = _crc32c) -> tuple[bytes, memoryview, bytes]:
+    """``encode_fields`` for a body given in three parts, ``lead + payload +
+    tail``, without joining them: ``(header, SACK blocks and lead; payload;
+    tail and CRC32c)``, whose concatenation is ``encode_fields``' packet.
+    The payload is not copied: the CRC runs over it where it lies (``crc``:
+    ``crc(data, value)`` continuing a CRC32c, the ``crc32c`` package's
+    signature), so the caller can hand the three parts to ``sendmsg``.
+
+    Raises:
+        ValueError: as ``encode``.
+    """
+    head = _head(ptype, flags, path_id, conn_tag, seq, ack, ts_us, ts_echo_us, rwnd, sack) + lead
+    return head, payload, tail + _CRC.pack(_crc32c(tail, crc(payload, _crc32c(head))))
 
 
 def decode_untrusted(datagram: bytes | bytearray | memoryview) -> tuple[LinkHeader, memoryview]:
