@@ -45,7 +45,7 @@ DEFAULT_IMPAIR = "loss=0.05,dup=0.02,reorder=0.05,corrupt=0.001"
 OPS = ("write", "read", "send")
 #: the seeded random bytes each side's requests take their data from
 SOURCE_BYTES = 4 << 20
-#: most Reads one QP may have outstanding (the device's max_qp_rd_atom)
+#: most Reads one QP may have outstanding (within the device's max_qp_rd_atom)
 MAX_RD_ATOMIC = 16
 #: how long one wait for a completion lasts before the run looks at its clocks again
 POLL_WAIT_S = 0.2

@@ -162,7 +162,7 @@ _SGE = shm.SGE
 _SG_OFFSET = shm.SEND_WQE_SG_OFFSET
 _REQ_STRIDE = _PREFIX + rdmap.ATOMIC_REQUEST_LEN
 _REQ_HEAD, _REQ_SLOT = run_slots(_REQ_STRIDE)
-#: the most WQEs one call takes (an ORD window is 16 by default)
+#: the most WQEs one call takes (an ORD window of the device's default 128 takes two)
 TAKE_MAX = 64
 
 

@@ -311,7 +311,7 @@ class DeviceConfig:
     def __init__(self, *, name: str = "uv0", addr: str = "127.0.0.1", port: int = 18515,
                  mtu: int = 1472, spin_us: float = 200.0, max_sleep_s: float = 0.25,
                  max_qp: int = 4096, max_cq: int = 4096, max_mr: int = 65536, max_pd: int = 4096,
-                 max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 16,
+                 max_qp_wr: int = 16384, max_cqe: int = 65536, max_qp_rd_atom: int = 128,
                  seed: int | None = None, cc: str = "efe-host", link: dict[str, Any] | None = None,
                  gso: bool = True, native: bool = True, rx_dispatch_budget: int = 8,
                  quota: Quota | None = None, key: bytes | None = None,

@@ -375,7 +375,7 @@ def test_inline_size_beyond_the_device_fails_clearly(capsys: pytest.CaptureFixtu
     assert "-I 300: the device takes at most 256 inline bytes" in err
 
 
-@pytest.mark.parametrize("argv, ord_", [(["read_bw", "-o", "2"], 2), (["atomic_bw"], 16), (["read_bw", "-o", "12", "-t", "4"], 4)],
+@pytest.mark.parametrize("argv, ord_", [(["read_bw", "-o", "2"], 2), (["atomic_bw"], 128), (["read_bw", "-o", "12", "-t", "4"], 4)],
                          ids=["o2", "device_max", "tx_depth_bounds"])
 def test_outs_sets_the_qps_ord_and_the_banner_says_so(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], ord_: int) -> None:
@@ -391,9 +391,9 @@ def test_outs_sets_the_qps_ord_and_the_banner_says_so(
 
 
 def test_outs_beyond_the_device_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, rows, err = _run(capsys, "read_bw", "-n", "5", "-o", "17", "--local")
+    rc, rows, err = _run(capsys, "read_bw", "-n", "5", "-o", "129", "--local")
     assert rc == 1 and not rows
-    assert "-o 17: the device takes at most 16 outstanding Reads and atomics per QP" in err
+    assert "-o 129: the device takes at most 128 outstanding Reads and atomics per QP" in err
 
 
 @pytest.fixture
