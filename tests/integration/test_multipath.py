@@ -76,6 +76,10 @@ def path_figures(ctx: verbs.Context, local: str, remote: str) -> dict[str, int]:
     return {k.removeprefix(prefix): v for k, v in ctx.query_stats().items() if k.startswith(prefix)}
 
 
+#: the most rounds the two-path stream runs before its paths' figures are judged
+MAX_ROUNDS = 30
+
+
 def _sides(da: DaemonProc, db: DaemonProc) -> tuple[Side, Side]:
     a, b = Side(da, 2 * ROUND, cap=verbs.QPCap(64, 64, 1, 1)), Side(db, 2 * ROUND)
     connect_manual(a, a.qp, b, b.qp, rd=16)
@@ -94,16 +98,28 @@ def test_one_link_runs_over_both_paths_and_the_data_is_exact(keyed: bool) -> Non
             a, b = _sides(da, db)
             try:
                 rng = random.Random(43)
-                for _ in range(6):
-                    one_round(a, b, rng)
                 pa, pb = da.port, db.port
-                for ctx, (mine, theirs) in ((a.ctx, (A_IPS, B_IPS)), (b.ctx, (B_IPS, A_IPS))):
-                    for i in range(2):
-                        f = path_figures(ctx, f"{mine[i]}:{pa if mine is A_IPS else pb}",
-                                         f"{theirs[i]}:{pb if mine is A_IPS else pa}")
-                        assert f.get("up") == 1, (mine[i], f)
-                        assert f["datagrams_sent"] > 50 and f["datagrams_received"] > 50, (mine[i], f)
-                        assert f["bytes_sent"] > 0 and f["bytes_received"] > 0, (mine[i], f)
+
+                def figures() -> list[tuple[str, dict[str, int]]]:
+                    return [(mine[i], path_figures(ctx, f"{mine[i]}:{pa if mine is A_IPS else pb}",
+                                                   f"{theirs[i]}:{pb if mine is A_IPS else pa}"))
+                            for ctx, (mine, theirs) in ((a.ctx, (A_IPS, B_IPS)), (b.ctx, (B_IPS, A_IPS)))
+                            for i in range(2)]
+
+                def both_ways(f: dict[str, int]) -> bool:
+                    return f["datagrams_sent"] > 50 and f["datagrams_received"] > 50
+
+                # The scheduler sends on the path of lowest RTT that has room, so how the
+                # stream splits moves with the CPUs' load: more rounds until every path has
+                # carried it both ways (6 on a quiet machine), within a bound.
+                for done in range(1, MAX_ROUNDS + 1):
+                    one_round(a, b, rng)
+                    if done >= 6 and all(both_ways(f) for _, f in figures()):
+                        break
+                for ip, f in figures():
+                    assert f.get("up") == 1, (ip, f)
+                    assert both_ways(f), (ip, f)
+                    assert f["bytes_sent"] > 0 and f["bytes_received"] > 0, (ip, f)
                 stats = a.ctx.query_stats()
                 assert stats["paths"] == 2 and stats["paths_up"] == 2, stats
                 for ctx in (a.ctx, b.ctx):
